@@ -1,0 +1,164 @@
+"""Alignment arithmetic and boundary arrays of a packed row (host only, no tensors on a device).
+
+A packed row is a sequence of *segments*: one per real sample, then at most one trailing pad-only segment.
+Each segment has a physical length (its place in the row, pad included) and an attention length (the
+tokens attention treats as the sample): the real length in ``distinct`` mode, the physical length in
+``fold`` mode. The trailing pad segment always attends to itself in full, so it never by itself makes the
+logical and physical arrays differ (which would cost TE its FlashAttention backends).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Alignment", "PackLayout", "plan_layout"]
+
+MODES = ("distinct", "fold")
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """How a packed row is aligned for the parallel layout and kernels that consume it.
+
+    Each sample is padded only as context parallelism requires (to a multiple of ``2 * cp_size`` when
+    ``cp_size > 1``: TE's THD partition kernel cuts every sample into ``2 * cp`` equal chunks). What the total
+    still needs goes into one trailing pad segment: ``cp * tp`` under sequence parallelism (each CP rank's
+    tokens split evenly over TP), ``fp8_multiple`` tokens per GEMM rank under FP8. This never pads more than
+    Megatron-Bridge's rule of padding every sample to ``lcm(2cp, cp*tp)``.
+
+    Attributes:
+        cp_size, tp_size: context- and tensor-parallel sizes.
+        sequence_parallel: Megatron's sequence parallelism (token dim split over TP).
+        fp8: pad so that every rank's token dim is a multiple of ``fp8_multiple`` (16; 32 for MXFP8).
+        mode: ``"distinct"``: pad after each sample, logical and physical boundaries differ, attention skips
+            the pad. ``"fold"``: the pad joins its sample's segment, logical = physical (one tensor object),
+            FlashAttention stays eligible; valid for causal attention only (real tokens never see later pad).
+        pad_total_to: pad the total to exactly this many tokens (a fixed bucket for CUDA graphs or fixed-shape
+            pipeline parallelism); must be a multiple of ``total_multiple``.
+        fp8_multiple: token multiple FP8 GEMMs need per rank.
+    """
+
+    cp_size: int = 1
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    fp8: bool = False
+    mode: str = "distinct"
+    pad_total_to: int | None = None
+    fp8_multiple: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("cp_size", "tp_size", "fp8_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Alignment.{name} must be a positive int, got {value!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"Alignment.mode must be one of {MODES}, got {self.mode!r}")
+        if self.pad_total_to is not None and (
+            not isinstance(self.pad_total_to, int) or self.pad_total_to % self.total_multiple
+        ):
+            raise ValueError(
+                f"Alignment.pad_total_to={self.pad_total_to!r} must be a multiple of {self.total_multiple} "
+                f"(the total alignment for cp={self.cp_size}, tp={self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8})"
+            )
+
+    @property
+    def sample_multiple(self) -> int:
+        """Every physical sample length is a multiple of this (``2 * cp_size`` under CP, else 1)."""
+        return 2 * self.cp_size if self.cp_size > 1 else 1
+
+    @property
+    def total_multiple(self) -> int:
+        """The packed row's total length is a multiple of this."""
+        tokens_per_gemm_rank = self.cp_size * (self.tp_size if self.sequence_parallel else 1)
+        multiple = math.lcm(self.sample_multiple, tokens_per_gemm_rank)
+        if self.fp8:
+            multiple = math.lcm(multiple, self.fp8_multiple * tokens_per_gemm_rank)
+        return multiple
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where each sample sits in the packed row. Host tensors only.
+
+    Attributes:
+        lengths: int64 ``[N]`` real tokens of each sample.
+        padded_lengths: int64 ``[M]`` physical length of each segment, ``M = N`` or ``N + 1`` with the trailing
+            pad segment.
+        attn_lengths: int64 ``[M]`` tokens attention treats as the segment (see module docstring).
+        cu_seqlens: int32 ``[M + 1]`` cumulative ``attn_lengths``.
+        cu_seqlens_padded: int32 ``[M + 1]`` cumulative ``padded_lengths``; the same object as ``cu_seqlens``
+            when they are equal.
+        max_seqlen: longest physical segment.
+        total_tokens: length of the packed row.
+        num_real_tokens: ``lengths.sum()``.
+    """
+
+    lengths: torch.Tensor
+    padded_lengths: torch.Tensor
+    attn_lengths: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    total_tokens: int
+    num_real_tokens: int
+
+    @classmethod
+    def from_lengths(
+        cls, lengths: torch.Tensor, padded_lengths: torch.Tensor, attn_lengths: torch.Tensor
+    ) -> PackLayout:
+        """The layout of segments with these physical and attention lengths (the real samples first)."""
+        cu_padded = cumsum0(padded_lengths)
+        # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
+        cu = cu_padded if torch.equal(attn_lengths, padded_lengths) else cumsum0(attn_lengths)
+        return cls(
+            lengths=lengths,
+            padded_lengths=padded_lengths,
+            attn_lengths=attn_lengths,
+            cu_seqlens=cu,
+            cu_seqlens_padded=cu_padded,
+            max_seqlen=int(padded_lengths.max()),
+            total_tokens=int(padded_lengths.sum()),
+            num_real_tokens=int(lengths.sum()),
+        )
+
+    @property
+    def num_samples(self) -> int:
+        return self.lengths.numel()
+
+    @property
+    def pad_overhead(self) -> float:
+        """Physical over real tokens (1.0 = no pad)."""
+        return self.total_tokens / self.num_real_tokens
+
+
+def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
+    """Place samples of the given real ``lengths`` (int64 ``[N]``, host) into one aligned row."""
+    a = alignment
+    lengths = lengths.to(torch.int64)
+    m = a.sample_multiple
+    padded = (lengths + m - 1) // m * m
+    body = int(padded.sum())
+    total = -(-body // a.total_multiple) * a.total_multiple
+    if a.pad_total_to is not None:
+        if total > a.pad_total_to:
+            raise ValueError(
+                f"the packed batch needs {total} tokens but Alignment.pad_total_to={a.pad_total_to}: raise the "
+                "bucket or send fewer tokens per micro-batch"
+            )
+        total = a.pad_total_to
+    attn = padded.clone() if a.mode == "fold" else lengths.clone()
+    if total > body:
+        padded = torch.cat([padded, padded.new_tensor([total - body])])
+        attn = torch.cat([attn, attn.new_tensor([total - body])])
+    return PackLayout.from_lengths(lengths, padded, attn)
+
+
+def cumsum0(x: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``[0, x0, x0 + x1, ...]``: boundaries from lengths."""
+    out = torch.zeros(x.numel() + 1, dtype=dtype, device=x.device)
+    out[1:] = torch.cumsum(x, dim=0)
+    return out

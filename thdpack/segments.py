@@ -1,0 +1,328 @@
+"""Find the real samples of a padded batch.
+
+Every input form of DESIGN.md section 3 is reduced to two boolean ``[B, S]`` host tensors, ``real`` (a real
+token) and ``begins`` (a real token that starts a sample); a sample runs from a ``begins`` position to just
+before the next ``begins`` or non-real position. Everything here is vectorized over the batch: the only Python
+loops are on the error path, to name the first offending row and column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Segments", "find_segments"]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The real samples of a ``[B, S]`` batch, one entry per sample, row-major (by row, then by start).
+
+    Sample ``i`` is ``tokens[row[i], start[i] : start[i] + length[i]]``.
+
+    Attributes:
+        row: int64 host tensor ``[N]``.
+        start: int64 host tensor ``[N]``.
+        length: int64 host tensor ``[N]``, every entry >= 1.
+    """
+
+    row: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.row.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of real tokens over all samples."""
+        return int(self.length.sum())
+
+    def check(self, batch_shape: tuple[int, int]) -> None:
+        """Raise ``ValueError`` unless these segments are valid for a ``[B, S]`` batch.
+
+        Valid means: host int64 tensors of one shape, every sample inside the batch, length >= 1, row-major order
+        and no two samples overlapping.
+        """
+        B, S = batch_shape
+        for name in ("row", "start", "length"):
+            t = getattr(self, name)
+            if t.device.type != "cpu" or t.dtype != torch.int64 or t.dim() != 1:
+                raise ValueError(
+                    f"Segments.{name} must be a 1-D int64 host tensor, got {t.dtype} on {t.device}"
+                )
+        if not (self.row.shape == self.start.shape == self.length.shape):
+            raise ValueError("Segments.row, .start and .length must have the same length")
+        if len(self) == 0:
+            raise ValueError("Segments holds no sample: a batch needs at least one real token")
+        end = self.start + self.length
+        bad = (self.row < 0) | (self.row >= B) | (self.start < 0) | (self.length < 1) | (end > S)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"sample {i} (row {int(self.row[i])}, start {int(self.start[i])}, length {int(self.length[i])}) "
+                f"does not fit a batch of shape [{B}, {S}]: needs 0 <= row < {B}, start >= 0, length >= 1 and "
+                f"start + length <= {S}"
+            )
+        key = self.row * S + self.start
+        prev_end = self.row[:-1] * S + end[:-1]
+        bad = key[1:] < prev_end
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0]) + 1
+            raise ValueError(
+                f"sample {i} (row {int(self.row[i])}, start {int(self.start[i])}) overlaps or precedes sample {i - 1}: "
+                "segments must be row-major and disjoint"
+            )
+
+
+def find_segments(
+    attention_mask: torch.Tensor | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
+) -> Segments:
+    """Find the real samples of a padded batch.
+
+    Args:
+        attention_mask: one of
+            - ``[B, S]`` 0/1 mask (bool, int or float), right or left padding; the real tokens of a row must be
+              contiguous;
+            - ``[B, S]`` segment ids (any value > 1 present): ``1,1,2,2,2,0`` is two samples and one pad; each id
+              must form one contiguous run within its row, 0 is pad;
+            - ``[B, 1, S, S]`` block-diagonal causal mask, bool (True = attend) or additive float (0 = attend,
+              -inf or <= -1e4 = blocked). Real tokens are those that attend to themselves.
+        position_ids: ``[B, S]`` int. Without a mask: every token is real and a sample starts wherever the id is
+            0 (ids must count up by 1 within a sample). With a 2D mask: splits the mask's real runs where the id
+            restarts at 0 (HF ``DataCollatorWithFlattening`` style).
+        input_ids: ``[B, S]`` int, used with ``pad_token_id`` when there is neither mask nor position ids:
+            only the *trailing* run of ``pad_token_id`` in each row is pad (an inner pad id is taken as a real
+            token; this form is wrong when the pad id is also a real token at a row's end, e.g. EOS-as-pad).
+        pad_token_id: see ``input_ids``.
+
+    Returns:
+        ``Segments(row, start, length)``, int64 host tensors ``[N]``, row-major. Rows without a real token are
+        skipped.
+
+    Raises:
+        ValueError: naming the row, column and rule, for holes in a 0/1 mask, split segment ids, a 4D mask that
+            is not block-diagonal causal, negative or non-integer values, shape mismatches, or a batch with no
+            real token at all.
+
+    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of the per-row lengths only); pass the
+    host mask, which data loaders deliver, to cost none.
+    """
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            if position_ids is not None:
+                _check_shape(
+                    "position_ids", position_ids, (attention_mask.shape[0], attention_mask.shape[-1])
+                )
+            real, begins = _from_4d_mask(attention_mask)
+        elif attention_mask.dim() == 2:
+            if position_ids is not None:
+                _check_shape("position_ids", position_ids, tuple(attention_mask.shape))
+            real, begins = _from_2d_mask(attention_mask)
+            if position_ids is not None:
+                begins = begins | (real & (_host(position_ids) == 0))
+        else:
+            raise ValueError(
+                f"attention_mask has shape {list(attention_mask.shape)}: expected [B, S] (0/1 or segment ids) or "
+                "[B, 1, S, S] (block-diagonal causal)"
+            )
+    elif position_ids is not None:
+        real, begins = _from_position_ids(position_ids)
+    elif input_ids is not None and pad_token_id is not None:
+        real, begins = _from_trailing_pad(input_ids, pad_token_id)
+    else:
+        raise ValueError(
+            "find_segments needs attention_mask, position_ids, or input_ids together with pad_token_id"
+        )
+    return _segments_from_runs(real, begins)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    # One device-to-host copy at most per input tensor; a host tensor is returned as is.
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {list(t.shape)} but the batch is {list(shape)}")
+
+
+def _shift_right(x: torch.Tensor, fill: bool) -> torch.Tensor:
+    """``x[:, j-1]`` at column ``j`` (``fill`` at column 0)."""
+    out = torch.empty_like(x)
+    out[:, 0] = fill
+    out[:, 1:] = x[:, :-1]
+    return out
+
+
+def _check_integral_nonnegative(name: str, m: torch.Tensor) -> None:
+    bad = m < 0
+    if m.is_floating_point():
+        bad = bad | (m != m.round()) | ~torch.isfinite(m)
+    if bool(bad.any()):
+        b, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"row {b} of {name} has value {m[b, j].item()} at column {j}: a 2D mask holds 0/1 or segment ids "
+            "(non-negative integers, 0 = pad)"
+        )
+
+
+def _from_2d_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if mask.device.type != "cpu" and mask.dtype == torch.bool:
+        return _from_2d_bool_mask_on_device(mask)
+    m = _host(mask)
+    if m.dtype != torch.bool:
+        _check_integral_nonnegative("attention_mask", m)
+    real = m != 0
+    if m.dtype != torch.bool and bool((m > 1).any()):
+        return _from_segment_ids(m, real)
+    begins = real & ~_shift_right(real, False)
+    _raise_on_hole(real, begins)
+    return real, begins
+
+
+def _raise_on_hole(real: torch.Tensor, begins: torch.Tensor) -> None:
+    runs = begins.sum(dim=1)
+    if bool((runs > 1).any()):
+        b = int((runs > 1).nonzero()[0])
+        cols = real[b].nonzero().flatten()
+        gap = int((cols.diff() > 1).nonzero()[0])
+        raise ValueError(
+            f"row {b} of attention_mask has a hole at column {int(cols[gap]) + 1}: a 0/1 mask must be contiguous "
+            "(use segment ids 1,2,3 for several samples per row)"
+        )
+
+
+def _from_2d_bool_mask_on_device(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # A 0/1 mask on the GPU: reduce it there and copy only [first column, length, runs] per row (one copy).
+    B, S = mask.shape
+    runs = (mask[:, 1:] & ~mask[:, :-1]).sum(dim=1) + mask[:, 0]
+    stats = torch.stack([mask.int().argmax(dim=1), mask.sum(dim=1), runs]).cpu()
+    first, length, runs = stats
+    if bool((runs > 1).any()):
+        b = int((runs > 1).nonzero()[0])
+        real = mask[b : b + 1].cpu()
+        _raise_on_hole(real, real & ~_shift_right(real, False))
+    col = torch.arange(S)
+    real = (col >= first[:, None]) & (col < (first + length)[:, None])
+    begins = real & (col == first[:, None])
+    return real, begins
+
+
+def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = ids.long()
+    begins = real & ((ids != _shift_right_long(ids)) | ~_shift_right(real, False))
+    rows, cols = begins.nonzero(as_tuple=True)
+    key = rows * (int(ids.max()) + 1) + ids[rows, cols]
+    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    if bool((counts > 1).any()):
+        first_repeated = key[int((counts[inverse] > 1).nonzero()[0])]
+        dup = int((key == first_repeated).nonzero()[1])  # the second run of that id
+        b, j = int(rows[dup]), int(cols[dup])
+        raise ValueError(
+            f"row {b} of attention_mask has segment id {int(ids[b, j])} again at column {j}: each segment id must "
+            "be one contiguous run within its row"
+        )
+    return real, begins
+
+
+def _shift_right_long(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out[:, 0] = -1
+    out[:, 1:] = x[:, :-1]
+    return out
+
+
+def _from_4d_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Sq, Sk = mask.shape
+    if H != 1 or Sq != Sk:
+        raise ValueError(f"a 4D attention_mask must be [B, 1, S, S], got {list(mask.shape)}")
+    m = _host(mask)[:, 0]
+    if m.dtype == torch.bool:
+        attend = m
+    elif m.is_floating_point():
+        bad = (m != 0) & ~(m <= -1e4)
+        if bool(bad.any()):
+            b, i, j = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"row {b} of the 4D attention_mask has value {m[b, i, j].item()} at query {i}, key {j}: an additive "
+                "mask holds 0 (attend) or -inf / <= -1e4 (blocked)"
+            )
+        attend = m == 0
+    else:
+        raise ValueError(f"a 4D attention_mask must be bool or float, got {m.dtype}")
+    real = attend.diagonal(dim1=1, dim2=2).clone()
+    to_prev = torch.zeros_like(real)
+    to_prev[:, 1:] = attend.diagonal(offset=-1, dim1=1, dim2=2)
+    begins = real & ~(to_prev & _shift_right(real, False))
+    seg = torch.cumsum(begins, dim=1) * real
+    col = torch.arange(Sq)
+    expected = (seg[:, :, None] == seg[:, None, :]) & (col[None, :] <= col[:, None]) & real[:, None, :]
+    bad = (attend != expected) & real[:, :, None]
+    if bool(bad.any()):
+        b, i, j = (int(v) for v in bad.nonzero()[0])
+        what = "attends" if bool(attend[b, i, j]) else "does not attend"
+        raise ValueError(
+            f"row {b} of the 4D attention_mask is not block-diagonal causal: query {i} {what} key {j} (a query "
+            "must attend exactly to the keys of its own sample at or before it)"
+        )
+    return real, begins
+
+
+def _from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be [B, S], got {list(position_ids.shape)}")
+    p = _host(position_ids)
+    if p.is_floating_point():
+        raise ValueError(f"position_ids must be an integer tensor, got {p.dtype}")
+    if bool((p < 0).any()):
+        b, j = (int(v) for v in (p < 0).nonzero()[0])
+        raise ValueError(f"row {b} of position_ids has negative id {int(p[b, j])} at column {j}")
+    begins = p == 0
+    step_ok = begins | (p == _shift_right_long(p) + 1)
+    step_ok[:, 0] = begins[:, 0]
+    if not bool(step_ok.all()):
+        b, j = (int(v) for v in (~step_ok).nonzero()[0])
+        prev = f"from {int(p[b, j - 1])} to {int(p[b, j])}" if j else f"with {int(p[b, j])}"
+        raise ValueError(
+            f"row {b} of position_ids starts a run {prev} at column {j}: without a mask, position ids must "
+            "restart at 0 at each sample and count up by 1 within it"
+        )
+    return torch.ones_like(begins), begins
+
+
+def _from_trailing_pad(input_ids: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got {list(input_ids.shape)}")
+    ids = _host(input_ids)
+    B, S = ids.shape
+    nonpad = ids != pad_token_id
+    # Length = index of the last non-pad token + 1 (0 for an all-pad row).
+    last = S - nonpad.flip(1).int().argmax(dim=1)
+    length = torch.where(nonpad.any(dim=1), last, 0)
+    col = torch.arange(S)
+    real = col < length[:, None]
+    begins = real & (col == 0)
+    return real, begins
+
+
+def _segments_from_runs(real: torch.Tensor, begins: torch.Tensor) -> Segments:
+    B, S = real.shape
+    begins = begins | (real & ~_shift_right(real, False))
+    nxt_real = torch.zeros_like(real)
+    nxt_real[:, :-1] = real[:, 1:]
+    nxt_begins = torch.zeros_like(begins)
+    nxt_begins[:, :-1] = begins[:, 1:]
+    ends = real & (~nxt_real | nxt_begins)
+    starts_flat = begins.flatten().nonzero().flatten()
+    ends_flat = ends.flatten().nonzero().flatten()
+    if starts_flat.numel() == 0:
+        raise ValueError(f"the batch of shape [{B}, {S}] has no real token: every row is pad")
+    row = starts_flat // S
+    start = starts_flat % S
+    return Segments(row=row, start=start, length=ends_flat - starts_flat + 1)
