@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["Alignment", "PackLayout", "plan_layout"]
@@ -110,19 +111,22 @@ class PackLayout:
     def from_lengths(
         cls, lengths: torch.Tensor, padded_lengths: torch.Tensor, attn_lengths: torch.Tensor
     ) -> PackLayout:
-        """The layout of segments with these physical and attention lengths (the real samples first)."""
-        cu_padded = cumsum0(padded_lengths)
+        """The layout of segments with these physical and attention lengths (int64 host ``[N]``, ``[M]``,
+        ``[M]``; the real samples first)."""
+        # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
+        padded, attn = padded_lengths.numpy(), attn_lengths.numpy()
+        cu_padded = _cumsum0(padded)
         # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
-        cu = cu_padded if torch.equal(attn_lengths, padded_lengths) else cumsum0(attn_lengths)
+        cu = cu_padded if np.array_equal(attn, padded) else _cumsum0(attn)
         return cls(
             lengths=lengths,
             padded_lengths=padded_lengths,
             attn_lengths=attn_lengths,
             cu_seqlens=cu,
             cu_seqlens_padded=cu_padded,
-            max_seqlen=int(padded_lengths.max()),
-            total_tokens=int(padded_lengths.sum()),
-            num_real_tokens=int(lengths.sum()),
+            max_seqlen=int(padded.max()),
+            total_tokens=int(cu_padded[-1]),
+            num_real_tokens=int(lengths.numpy().sum()),
         )
 
     @property
@@ -140,8 +144,8 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     a = alignment
     lengths = lengths.to(torch.int64)
     m = a.sample_multiple
-    padded = (lengths + m - 1) // m * m
-    body = int(padded.sum())
+    padded = lengths if m == 1 else (lengths + m - 1) // m * m
+    body = int(padded.numpy().sum())
     total = -(-body // a.total_multiple) * a.total_multiple
     if a.pad_total_to is not None:
         if total > a.pad_total_to:
@@ -150,11 +154,17 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
                 "bucket or send fewer tokens per micro-batch"
             )
         total = a.pad_total_to
-    attn = padded.clone() if a.mode == "fold" else lengths.clone()
+    attn = padded if a.mode == "fold" else lengths
     if total > body:
-        padded = torch.cat([padded, padded.new_tensor([total - body])])
-        attn = torch.cat([attn, attn.new_tensor([total - body])])
+        tail = torch.tensor([total - body])
+        padded, attn = torch.cat([padded, tail]), torch.cat([attn, tail])
     return PackLayout.from_lengths(lengths, padded, attn)
+
+
+def _cumsum0(x: np.ndarray) -> torch.Tensor:
+    out = np.zeros(x.size + 1, dtype=np.int32)
+    np.cumsum(x, out=out[1:])
+    return torch.from_numpy(out)
 
 
 def cumsum0(x: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -11,10 +11,11 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .context_parallel import cp_partition_indices
-from .layout import Alignment, PackLayout, plan_layout
+from .layout import Alignment, PackLayout, cumsum0, plan_layout
 from .positions import pack_mrope_position_ids
 from .segments import Segments, find_segments
 
@@ -73,8 +74,6 @@ class PackedBatch:
     source_shape: tuple[int, int] = (0, 0)
     cp_size: int = 1
     cp_rank: int = 0
-    # (packed position, flat source position) of every real token, host int64 [R] each; None on a CP shard.
-    _unpack_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def rope_cu_seqlens(self) -> torch.Tensor:
@@ -177,7 +176,6 @@ class PackedBatch:
             extra={k: take(v) for k, v in self.extra.items()},
             cp_size=cp_size,
             cp_rank=cp_rank,
-            _unpack_index=None,
         )
 
 
@@ -277,18 +275,14 @@ def assemble(
     """
     B, S = tokens.shape
     device = tokens.device
-    plan = _TokenPlan.build(segments, layout, S, derive_labels=labels is None)
-    gather, label_index, no_target, pad, pos = plan.to(device)
-    packed_tokens = tokens.reshape(-1).index_select(0, gather).masked_fill_(pad, pad_token_id)
-    label_source = tokens if labels is None else labels
-    packed_labels = (
-        label_source.reshape(-1).index_select(0, label_index).long().masked_fill_(no_target, ignore_index)
-    )
-    counts = packed_labels != ignore_index
+    gather, label_index, no_target, pad, pos = _token_plan(segments, layout, S, labels is None, device)
+    packed_tokens = _take(tokens, gather, pad, pad_token_id)
+    packed_labels = _take(tokens if labels is None else labels, label_index, no_target, ignore_index).long()
+    no_count = packed_labels == ignore_index
     if loss_mask is None:
-        packed_loss_mask = counts.float()
+        packed_loss_mask = (~no_count).float()
     else:
-        packed_loss_mask = loss_mask.reshape(-1).index_select(0, gather).float() * counts
+        packed_loss_mask = _take(loss_mask, gather, no_count, 0).float()
 
     cu_padded = _to_device(layout.cu_seqlens_padded, device, True)
     cu = (
@@ -312,7 +306,6 @@ def assemble(
             k: v.reshape(-1).index_select(0, gather).masked_fill(pad, 0).view(1, -1) for k, v in extra.items()
         },
         source_shape=(B, S),
-        _unpack_index=plan.unpack_index,
     )
 
 
@@ -327,7 +320,7 @@ def unpack_thd(x: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> to
     Returns:
         ``[B, S, ...]`` with ``x``'s values at the original positions of the real tokens.
     """
-    if packed._unpack_index is None:
+    if packed.cp_size != 1:
         raise ValueError(
             "unpack_thd needs a full row packed by pack_bshd: on a CP shard, reassemble the row first with "
             "thdpack.cp_unshard"
@@ -340,64 +333,122 @@ def unpack_thd(x: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> to
             f"unpack_thd got a tensor of shape {list(x.shape)}; expected [1, {T}, ...] or [{T}, ...]"
         )
     B, S = packed.source_shape
-    packed_pos, source_pos = (_to_device(t, x.device, True) for t in packed._unpack_index)
+    packed_pos, source_pos = _unpack_index(packed, x.device)
     out = x.new_full((B * S, *x.shape[1:]), pad_value)
     out.index_copy_(0, source_pos, x.index_select(0, packed_pos))
     return out.view(B, S, *x.shape[1:])
 
 
-@dataclass(frozen=True)
-class _TokenPlan:
-    """Host-side index arrays of a packed row, one entry per packed position (int64 / bool ``[T]``)."""
+def _token_plan(
+    segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Per-position index arrays of the packed row, ``[T]`` each, on ``device``.
 
-    gather: torch.Tensor  # flat B*S source of each position (0 on pad)
-    label_index: torch.Tensor  # flat source of each position's target (labels: same as gather; tokens: +1)
-    no_target: torch.Tensor  # True where the label must be ignore_index
-    padding_mask: torch.Tensor
-    position_ids: torch.Tensor
-    unpack_index: tuple[torch.Tensor, torch.Tensor]
+    Returns ``(gather, label_index, no_target, padding_mask, position_ids)``: the flat ``B * S`` source of each
+    position (0 on pad), the flat source of its target (the same position in ``labels``, or the next token when
+    labels are derived), where the label must be ``ignore_index``, where pad is, and the position in the segment.
 
-    @staticmethod
-    def build(segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool) -> _TokenPlan:
-        T = layout.total_tokens
-        n, m = layout.num_samples, layout.padded_lengths.numel()
-        seg = torch.repeat_interleave(torch.arange(m), layout.padded_lengths, output_size=T)
-        offset = torch.arange(T) - layout.cu_seqlens_padded[:-1].long()[seg]
-        real_len = torch.zeros(m, dtype=torch.int64)
-        real_len[:n] = segments.length
-        base = torch.zeros(m, dtype=torch.int64)
-        base[:n] = segments.row * seq_len + segments.start
-        remaining = real_len[seg] - offset  # real tokens left in the sample from here on (<= 0 on pad)
-        pad = remaining <= 0
-        gather = (base[seg] + offset).masked_fill_(pad, 0)
-        if derive_labels:
-            no_target = remaining <= 1
-            label_index = (gather + 1).masked_fill_(no_target, 0)
-        else:
-            # A sample's last token predicts the next sample's first when both share a row: no target there.
-            followed = torch.zeros(m, dtype=torch.bool)
-            followed[: n - 1] = segments.row[1:] == segments.row[:-1]
-            no_target = pad | ((remaining == 1) & followed[seg])
-            label_index = gather
-        packed_pos = (~pad).nonzero().flatten()
-        return _TokenPlan(gather, label_index, no_target, pad, offset, (packed_pos, gather[packed_pos]))
+    They are expanded from a per-segment table where the batch lives: with numpy on the host (its repeat and
+    take are several times faster than torch's CPU kernels at these sizes, and per-call overhead is lower),
+    with torch on a GPU after one small copy of the table, so no ``[T]`` array crosses to the device.
+    """
+    n, m = layout.num_samples, layout.padded_lengths.numel()
+    start = layout.cu_seqlens_padded[:-1].numpy().astype(np.int64)
+    row, first, length = segments.row.numpy(), segments.start.numpy(), segments.length.numpy()
+    table = np.zeros((4, m), dtype=np.int64)
+    table[0] = layout.padded_lengths.numpy()
+    table[1] = start
+    table[2] = start
+    table[2, :n] += length  # end of the real tokens (a pad-only segment ends where it starts)
+    table[3, :n] = row * seq_len + first - start[:n]  # flat source minus packed position
+    # A sample followed by another in its row: its last token's given label is that sample's first token.
+    crossing = (start[: n - 1] + length[:-1] - 1)[row[1:] == row[:-1]]
+    expand = _expand_on_host if device.type == "cpu" else _expand_on_device
+    return expand(table, crossing, layout.total_tokens, derive_labels, device)
 
-    def to(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``(gather, label_index, no_target, padding_mask, position_ids)`` on ``device`` with one copy."""
-        if device.type == "cpu":
-            return self.gather, self.label_index, self.no_target, self.padding_mask, self.position_ids
-        flags = self.no_target.long() | (self.padding_mask.long() << 1)
-        stacked = _to_device(
-            torch.stack([self.gather, self.label_index, flags, self.position_ids]), device, True
-        )
-        gather, label_index, flags, pos = stacked.unbind(0)
-        return gather, label_index, (flags & 1).bool(), (flags & 2).bool(), pos
+
+def _expand_on_host(table: np.ndarray, crossing: np.ndarray, T: int, derive_labels: bool, device) -> tuple:
+    padded_length, seg_start, real_end, shift = table
+    real_end = np.repeat(real_end, padded_length)
+    index = np.arange(T)
+    pad = index >= real_end
+    gather = np.repeat(shift, padded_length)
+    gather += index
+    np.putmask(gather, pad, 0)
+    if derive_labels:
+        no_target = index >= real_end - 1
+        label_index = gather + 1
+        np.putmask(label_index, no_target, 0)
+    else:
+        no_target = pad.copy()
+        no_target[crossing] = True
+        label_index = gather
+    index -= np.repeat(seg_start, padded_length)
+    return tuple(torch.from_numpy(a) for a in (gather, label_index, no_target, pad, index))
+
+
+def _expand_on_device(table: np.ndarray, crossing: np.ndarray, T: int, derive_labels: bool, device) -> tuple:
+    m = table.shape[1]
+    buf = _to_device(torch.from_numpy(np.concatenate([table.reshape(-1), crossing])), device, True)
+    table, crossing = buf[: 4 * m].view(4, m), buf[4 * m :]
+    seg = torch.repeat_interleave(torch.arange(m, device=device), table[0], output_size=T)
+    seg_start, real_end, shift = (row.index_select(0, seg) for row in table[1:])
+    index = torch.arange(T, device=device)
+    pad = index >= real_end
+    gather = shift.add_(index).masked_fill_(pad, 0)
+    if derive_labels:
+        no_target = index >= real_end - 1
+        label_index = (gather + 1).masked_fill_(no_target, 0)
+    else:
+        no_target = pad.index_fill(0, crossing, True)
+        label_index = gather
+    return gather, label_index, no_target, pad, index.sub_(seg_start)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor, value: float) -> torch.Tensor:
+    """``x.reshape(-1)[index]`` with ``value`` where ``fill``; numpy on the host (see :func:`_token_plan`)."""
+    flat = x.reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype in _NUMPY_DTYPES:
+        out = np.take(flat.numpy(), index.numpy())
+        np.putmask(out, fill.numpy(), value)
+        return torch.from_numpy(out)
+    return flat.index_select(0, index).masked_fill_(fill, value)
+
+
+_NUMPY_DTYPES = {
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float32,
+    torch.float64,
+}
+
+
+def _unpack_index(packed: PackedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed position, flat source position)`` of every real token, int64 ``[R]`` each, on ``device``."""
+    segments, layout = packed.segments, packed.layout
+    table = torch.stack(
+        [
+            segments.length,
+            layout.cu_seqlens_padded[:-1][: len(segments)].long(),
+            segments.row * packed.source_shape[1] + segments.start,
+        ]
+    )
+    length, start, base = _to_device(table, device, True)
+    R = layout.num_real_tokens
+    seg = torch.repeat_interleave(torch.arange(len(segments), device=device), length, output_size=R)
+    within = (
+        torch.arange(R, device=device) - _to_device(cumsum0(segments.length, torch.int64), device, True)[seg]
+    )
+    return start[seg] + within, base[seg] + within
 
 
 def _to_device(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
     if t.device == device:
         return t
-    if non_blocking and t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
-        # A pageable source makes the copy synchronous; pinned memory (cached by torch) keeps it async.
-        t = t.pin_memory()
+    # From pageable host memory a non_blocking copy is staged by the driver: the host waits for the staging,
+    # the stream does not sync. Pinning here would cost more than it saves on these small tables.
     return t.to(device, non_blocking=non_blocking)

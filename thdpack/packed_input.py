@@ -38,7 +38,9 @@ def from_packed_batch(
     Returns:
         :class:`PackedBatch` with the batch's physical layout unchanged. Tokens after ``cu_seqlens[-1]`` form a
         trailing pad segment; tokens between a sample's logical and physical end are pad. ``position_ids`` are
-        rebuilt (restart at every sample); ``labels`` are kept (derived within each sample when absent).
+        rebuilt (restart at every sample); ``labels`` are kept (derived within each sample when absent) except
+        that, as in :func:`pack_bshd`, the last token of every sample but the row's last gets ``ignore_index``:
+        all samples share one row, so its label may be the next sample's first token.
 
     Raises:
         ValueError: for a boundary array on a GPU, non-monotone or out-of-range boundaries, a logical sample

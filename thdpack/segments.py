@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["Segments", "find_segments"]
@@ -123,7 +124,27 @@ def find_segments(
         elif attention_mask.dim() == 2:
             if position_ids is not None:
                 _check_shape("position_ids", position_ids, tuple(attention_mask.shape))
-            real, begins = _from_2d_mask(attention_mask)
+            runs = _row_runs(attention_mask, position_ids)
+            if runs is not None and runs[2]:
+                position_ids = (
+                    None  # ids restart only at column 0, where a run starts anyway: nothing to split
+                )
+            if runs is not None and position_ids is None:
+                first, length, _ = runs
+                keep = length > 0
+                if not bool(keep.any()):
+                    raise ValueError(
+                        f"the batch of shape {list(attention_mask.shape)} has no real token: every row is pad"
+                    )
+                return Segments(row=keep.nonzero().flatten(), start=first[keep], length=length[keep])
+            if runs is None:  # segment ids
+                ids = _host(attention_mask)
+                real, begins = _from_segment_ids(ids, ids != 0)
+            else:
+                first, length, _ = runs
+                col = torch.arange(attention_mask.shape[1])
+                real = (col >= first[:, None]) & (col < (first + length)[:, None])
+                begins = real & (col == first[:, None])
             if position_ids is not None:
                 begins = begins | (real & (_host(position_ids) == 0))
         else:
@@ -172,49 +193,85 @@ def _check_integral_nonnegative(name: str, m: torch.Tensor) -> None:
         )
 
 
-def _from_2d_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if mask.device.type != "cpu" and mask.dtype == torch.bool:
-        return _from_2d_bool_mask_on_device(mask)
-    m = _host(mask)
-    if m.dtype != torch.bool:
-        _check_integral_nonnegative("attention_mask", m)
-    real = m != 0
-    if m.dtype != torch.bool and bool((m > 1).any()):
-        return _from_segment_ids(m, real)
-    begins = real & ~_shift_right(real, False)
-    _raise_on_hole(real, begins)
-    return real, begins
-
-
-def _raise_on_hole(real: torch.Tensor, begins: torch.Tensor) -> None:
-    runs = begins.sum(dim=1)
-    if bool((runs > 1).any()):
-        b = int((runs > 1).nonzero()[0])
-        cols = real[b].nonzero().flatten()
-        gap = int((cols.diff() > 1).nonzero()[0])
+def _row_runs(
+    mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``(first column, length, no_restart)`` for a 0/1 mask: each row's real run (int64 host ``[B]``) and
+    whether ``position_ids`` (if given) are 0 nowhere but in column 0 (Megatron's ``arange`` ids: then the mask
+    alone decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
+    and on holes.
+    """
+    if mask.device.type == "cpu":
+        stats = _row_stats_host(mask, position_ids)
+    else:
+        stats = _row_stats_device(mask, position_ids)
+    first, length, runs, restarts, negative, above_one, fractional = stats
+    if negative or fractional:
+        _check_integral_nonnegative("attention_mask", _host(mask))
+    if above_one:
+        return None
+    if runs != int((length > 0).sum()):
+        b = int(next(b for b in range(mask.shape[0]) if _has_hole(_host(mask[b]))))
+        cols = (_host(mask[b]) != 0).nonzero().flatten()
+        hole = int(cols[int((cols.diff() > 1).nonzero()[0])]) + 1
         raise ValueError(
-            f"row {b} of attention_mask has a hole at column {int(cols[gap]) + 1}: a 0/1 mask must be contiguous "
-            "(use segment ids 1,2,3 for several samples per row)"
+            f"row {b} of attention_mask has a hole at column {hole}: a 0/1 mask must be contiguous (use segment "
+            "ids 1,2,3 for several samples per row)"
         )
+    return first, length, restarts == 0
 
 
-def _from_2d_bool_mask_on_device(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # A 0/1 mask on the GPU: reduce it there and copy only [first column, length, runs] per row (one copy).
-    B, S = mask.shape
-    runs = (mask[:, 1:] & ~mask[:, :-1]).sum(dim=1) + mask[:, 0]
-    stats = torch.stack([mask.int().argmax(dim=1), mask.sum(dim=1), runs]).cpu()
-    first, length, runs = stats
-    if bool((runs > 1).any()):
-        b = int((runs > 1).nonzero()[0])
-        real = mask[b : b + 1].cpu()
-        _raise_on_hole(real, real & ~_shift_right(real, False))
-    col = torch.arange(S)
-    real = (col >= first[:, None]) & (col < (first + length)[:, None])
-    begins = real & (col == first[:, None])
-    return real, begins
+def _has_hole(row: torch.Tensor) -> bool:
+    cols = (row != 0).nonzero().flatten()
+    return bool((cols.diff() > 1).any())
+
+
+def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
+    # numpy on the host: its argmax over a bool row stops at the first True, and its reductions over narrow
+    # dtypes are several times faster than the equivalent torch CPU kernels at these sizes.
+    a = (mask.float() if mask.dtype == torch.bfloat16 else mask).numpy()
+    if a.dtype == np.bool_:
+        real, outside = a, False
+    elif a.dtype.kind in "iu":
+        # One pass finds any value outside {0, 1}: viewed as unsigned, a negative value is huge.
+        outside = bool((a.view(f"u{a.itemsize}") > 1).any())
+        real = a.astype(np.bool_)
+    else:
+        real = a != 0
+        outside = bool((real & (a != 1)).any())
+    negative = above_one = fractional = False
+    if outside:  # segment ids or bad values: tell them apart
+        negative, above_one = bool(a.min() < 0), bool(a.max() > 1)
+        fractional = a.dtype.kind == "f" and bool((a != np.round(a)).any())
+    first = real.argmax(axis=1)
+    length = real.view(np.uint8).sum(axis=1, dtype=np.int32).astype(np.int64)
+    runs = int(np.count_nonzero(real[:, 1:] > real[:, :-1])) + int(np.count_nonzero(real[:, 0]))
+    restarts = 0 if position_ids is None else int(np.count_nonzero(_host(position_ids)[:, 1:].numpy() == 0))
+    return torch.from_numpy(first), torch.from_numpy(length), runs, restarts, negative, above_one, fractional
+
+
+def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
+    # Reduced on the GPU; one copy of a [B]-sized table comes back.
+    B = mask.shape[0]
+    zero = torch.zeros((), dtype=torch.int64, device=mask.device)
+    if mask.dtype == torch.bool:
+        real, negative, above_one, fractional = mask, zero, zero, zero
+    else:
+        lo, hi = torch.aminmax(mask)
+        negative, above_one = (lo < 0).long(), (hi > 1).long()
+        fractional = (mask != mask.trunc()).any().long() if mask.is_floating_point() else zero
+        real = mask != 0
+    u = real.view(torch.uint8)
+    runs = (u[:, 1:] > u[:, :-1]).sum() + u[:, 0].sum()
+    restarts = zero if position_ids is None else (position_ids[:, 1:] == 0).sum().to(mask.device)
+    scalars = torch.stack([runs, restarts, negative, above_one, fractional])
+    table = torch.cat([u.argmax(dim=1), u.sum(dim=1), scalars]).cpu()
+    runs, restarts, negative, above_one, fractional = table[2 * B :].tolist()
+    return table[:B], table[B : 2 * B], runs, restarts, negative, above_one, fractional
 
 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_integral_nonnegative("attention_mask", ids)
     ids = ids.long()
     begins = real & ((ids != _shift_right_long(ids)) | ~_shift_right(real, False))
     rows, cols = begins.nonzero(as_tuple=True)
