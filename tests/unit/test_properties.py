@@ -225,3 +225,46 @@ def test_block_diagonal_attention_on_thd_equals_per_sample_attention(data, cp, m
     out = unpack_thd(cp_unshard(shards, p.cu_seqlens_padded, dim=0), p)
     real = ids != 0
     torch.testing.assert_close(out[real], expected[real], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the GPU code paths, run on the CPU
+
+
+@settings(max_examples=60, deadline=None)
+@given(padded_batches(), alignments, st.booleans())
+def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels):
+    from thdpack import pack as pack_module
+    from thdpack.layout import plan_layout
+
+    ids, _, _ = data
+    segments = find_segments(ids)
+    layout = plan_layout(segments.length, alignment)
+    captured = {}
+    original = pack_module._expand_on_host
+
+    def spy(table, crossing, T, derive, device):
+        captured["args"] = (table, crossing, T, derive)
+        return original(table, crossing, T, derive, device)
+
+    pack_module._expand_on_host = spy
+    try:
+        host = pack_module._token_plan(segments, layout, ids.shape[1], derive_labels, torch.device("cpu"))
+    finally:
+        pack_module._expand_on_host = original
+    device = pack_module._expand_on_device(*captured["args"], torch.device("cpu"))
+    for h, d in zip(host, device, strict=True):
+        assert torch.equal(h, d)
+
+
+@settings(max_examples=60, deadline=None)
+@given(padded_batches(), st.sampled_from([torch.bool, torch.int64, torch.float32]), st.booleans())
+def test_device_mask_statistics_equal_host_statistics(data, dtype, with_position_ids):
+    from thdpack.segments import _row_stats_device, _row_stats_host
+
+    ids, _, _ = data
+    mask = (ids != 0).to(dtype)
+    pos = torch.arange(ids.shape[1]).expand_as(ids) % 5 if with_position_ids else None
+    host = _row_stats_host(mask, pos)
+    device = _row_stats_device(mask, pos)
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    assert list(host[2:]) == [int(v) for v in device[2:]]
