@@ -1,0 +1,86 @@
+"""GPT / MoE models whose core attention honours THD `packed_seq_params`, with either backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from thdpack.attention import CORE_ATTENTION_BACKENDS, get_core_attention
+
+
+def gpt_layer_spec(
+    backend: str = "torch",
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    **spec_kwargs: Any,
+) -> ModuleSpec:
+    """Transformer-layer spec for `backend`.
+
+    `"te"`: Megatron's `get_gpt_layer_with_transformer_engine_spec` (TE modules throughout, GPU).
+    `"torch"`: Megatron's `get_gpt_layer_local_spec` with `core_attention` swapped for
+    `TorchTHDAttention` (the local `DotProductAttention` rejects packed batches).
+    `spec_kwargs` go to the Megatron spec function (e.g. `qk_layernorm=True`).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if backend == "te":
+        get_core_attention("te")  # clear ImportError before Megatron's own TE asserts
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **spec_kwargs
+        )
+    if backend == "torch":
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **spec_kwargs
+        )
+        spec.submodules.self_attention.submodules.core_attention = get_core_attention("torch")
+        return spec
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {CORE_ATTENTION_BACKENDS}")
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    backend: str = "torch",
+    position_embedding_type: str = "rope",
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    packed_mrope: bool = True,
+    **model_kwargs: Any,
+) -> GPTModel:
+    """A `GPTModel` (MoE when `config.num_moe_experts` is set) with the `backend` layer spec.
+
+    `pre_process` / `post_process` default to this rank's pipeline stage; `model_kwargs` go to
+    `GPTModel` (e.g. `rotary_base`, `share_embeddings_and_output_weights`, `pg_collection`).
+    An MRoPE model gets `enable_packed_mrope` (correct per-token MRoPE on packed rows, also under CP)
+    unless `packed_mrope=False`.
+    """
+    if pre_process is None or post_process is None:
+        from megatron.core import parallel_state
+
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    spec = gpt_layer_spec(
+        backend, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        position_embedding_type=position_embedding_type,
+        **model_kwargs,
+    )
+    if position_embedding_type == "mrope" and packed_mrope:
+        # Megatron's MRoPE is wrong on packed rows under CP; the hooks act on THD calls only.
+        from .mrope import enable_packed_mrope
+
+        enable_packed_mrope(model)
+    return model
