@@ -142,7 +142,7 @@ class PackedBatch:
             raise ImportError(
                 "PackedBatch.packed_seq_params() needs megatron-core: pip install 'megatron-core>=0.16'"
             ) from e
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
@@ -151,6 +151,11 @@ class PackedBatch:
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
+        # Host copies ride along for kernels that loop over samples on the host (thdpack's torch attention):
+        # reading the device arrays back would be a sync per layer.
+        params.cu_seqlens_q_host = self.layout.cu_seqlens
+        params.cu_seqlens_q_padded_host = self.layout.cu_seqlens_padded
+        return params
 
     def shard_for_cp(self, cp_size: int, cp_rank: int) -> PackedBatch:
         """This CP rank's zigzag shard: every token-aligned tensor sliced with :func:`cp_partition_indices`,

@@ -1,0 +1,42 @@
+"""The packer on a GPU-resident batch: same result as on the host, and no host-device sync."""
+
+import pytest
+import torch
+
+from thdpack import Alignment, find_segments, pack_bshd
+
+pytestmark = pytest.mark.gpu
+
+
+def batch(B=6, S=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, S + 1, (B,), generator=g)
+    mask = torch.arange(S)[None] < lengths[:, None]
+    tokens = torch.randint(1, 1000, (B, S), generator=g) * mask
+    return {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": mask.float(), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("alignment", [Alignment(), Alignment(cp_size=2), Alignment(cp_size=2, mode="fold")])
+def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment):
+    host = batch()
+    segments = find_segments(host["attention_mask"])
+    gpu = {k: v.cuda() for k, v in host.items() if k != "attention_mask"}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = pack_bshd(gpu, segments=segments, alignment=alignment)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = pack_bshd(host, alignment=alignment)
+    for name, t in expected.token_tensors().items():
+        assert torch.equal(getattr(packed, name).cpu(), t), name
+    assert torch.equal(packed.cu_seqlens.cpu(), expected.cu_seqlens)
+    assert (packed.cu_seqlens is packed.cu_seqlens_padded) == (
+        expected.cu_seqlens is expected.cu_seqlens_padded
+    )
+
+
+def test_find_segments_on_a_gpu_mask_matches_the_host():
+    host = batch()["attention_mask"]
+    a, b = find_segments(host), find_segments(host.cuda())
+    assert torch.equal(a.row, b.row) and torch.equal(a.start, b.start) and torch.equal(a.length, b.length)

@@ -1,0 +1,252 @@
+"""``get_batch``: read a padded micro-batch once per TP group, pack it, shard it for CP, move it to the device.
+
+Only the first rank of each tensor-parallel group reads the data iterator. It packs on the host and sends the
+host :class:`~thdpack.PackedBatch` to the other TP ranks over a gloo group, so neither side ever reads a
+device tensor back: the only device work is ``non_blocking`` copies. Every pipeline stage reads and packs
+its own micro-batch (the data loader is replicated over PP, as in Megatron): middle stages need the boundary
+arrays for attention, the MoE padding mask and the MRoPE ids, first stages the tokens, last stages the labels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from thdpack import Alignment, PackedBatch, pack_bshd
+
+__all__ = ["BatchConfig", "ModelInputs", "get_batch"]
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """What ``get_batch`` needs besides the model's ``TransformerConfig``.
+
+    Attributes:
+        pack_sequences_in_batch: pack each micro-batch into one THD row (else: the padded BSHD baseline).
+        mode: ``Alignment.mode``: ``"distinct"``, ``"fold"``, or ``"auto"`` (default): fold under context
+            parallelism, distinct otherwise (without CP no pad lies between samples, so both give the same
+            row). Fold under CP because Transformer Engine 2.20.2's context-parallel THD attention returned
+            wrong gradients with distinct boundaries (pad between samples) while its forward matched; fold
+            matched the reference (README, GPU check). Fold is valid for causal attention only.
+        pad_total_to: ``Alignment.pad_total_to`` (fixed token bucket).
+        pad_token_id: token written on alignment pad.
+        ignore_index: label value that marks "no target" in the data (-100, HF's and Megatron-Bridge's).
+    """
+
+    pack_sequences_in_batch: bool = True
+    mode: str = "auto"
+    pad_total_to: int | None = None
+    pad_token_id: int = 0
+    ignore_index: int = -100
+
+    def alignment(self, model_config) -> Alignment:
+        """The :class:`~thdpack.Alignment` the model's parallel layout and precision imply."""
+        mode = self.mode
+        if mode == "auto":
+            mode = "fold" if model_config.context_parallel_size > 1 else "distinct"
+        return Alignment(
+            cp_size=model_config.context_parallel_size,
+            tp_size=model_config.tensor_model_parallel_size,
+            sequence_parallel=bool(model_config.sequence_parallel),
+            fp8=bool(getattr(model_config, "fp8", None)),
+            fp8_multiple=32 if getattr(model_config, "fp8_recipe", None) == "mxfp8" else 16,
+            mode=mode,
+            pad_total_to=self.pad_total_to,
+        )
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch as ``GPTModel.forward`` takes it, on this rank's device (None where this stage
+    does not need it).
+
+    ``labels`` hold a valid token id (0) wherever there is no target: Megatron's vocab-parallel cross entropy
+    has no ``ignore_index``, and ``loss_mask`` (float, 0 there) keeps those positions out of the loss.
+    """
+
+    tokens: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
+    packed_seq_params: object | None = None
+    packed: PackedBatch | None = None  # the host-side packed batch of this rank (CP shard), for debugging
+
+
+def get_batch(
+    data_iterator: Iterator[Mapping[str, torch.Tensor]] | None, model_config, config: BatchConfig
+) -> ModelInputs:
+    """Next micro-batch for this rank.
+
+    Args:
+        data_iterator: yields padded BSHD batches (host tensors: ``tokens`` ``[B, S]``, ``attention_mask``,
+            optional ``labels``, ``loss_mask``, ``position_ids``, ``mrope_position_ids``); read on the first
+            rank of each TP group only (others may pass None).
+        model_config: the model's ``TransformerConfig`` (parallel sizes, sequence parallelism, fp8).
+        config: :class:`BatchConfig`.
+    """
+    from megatron.core import parallel_state as ps
+
+    _check_moe_dispatcher(model_config, config)
+    batch = None
+    if ps.get_tensor_model_parallel_rank() == 0:
+        if data_iterator is None:
+            raise ValueError("the first rank of each tensor-parallel group needs a data_iterator")
+        batch = next(data_iterator)
+        if config.pack_sequences_in_batch:
+            batch = pack_bshd(
+                batch,
+                alignment=config.alignment(model_config),
+                pad_token_id=config.pad_token_id,
+                ignore_index=config.ignore_index,
+            )
+    batch = _broadcast_over_tp(batch)
+    device = _device()
+    first = ps.is_pipeline_first_stage(ignore_virtual=True)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    if isinstance(batch, PackedBatch):
+        return _packed_inputs(
+            batch,
+            ps.get_context_parallel_world_size(),
+            ps.get_context_parallel_rank(),
+            first,
+            last,
+            device,
+            config,
+        )
+    if ps.get_context_parallel_world_size() > 1:
+        raise NotImplementedError(
+            "the padded BSHD baseline does not shard for context parallelism: set pack_sequences_in_batch=True"
+        )
+    return _bshd_inputs(batch, first, last, device, config)
+
+
+def _packed_inputs(
+    packed: PackedBatch, cp_size: int, cp_rank: int, first: bool, last: bool, device, config
+) -> ModelInputs:
+    shard = packed.shard_for_cp(cp_size, cp_rank)
+    # Boundaries, padding mask (MoE router, every stage) and position ids (RoPE/MRoPE are computed on every
+    # stage) go everywhere; tokens only to the first stage, labels and loss mask only to the last.
+    keep = dataclasses.replace(
+        shard,
+        tokens=shard.tokens if first else shard.tokens[:, :0],
+        labels=_labels_for_model(shard.labels, config.ignore_index) if last else shard.labels[:, :0],
+        loss_mask=shard.loss_mask if last else shard.loss_mask[:, :0],
+        extra={},
+    ).to(device, non_blocking=True)
+    position_ids = keep.mrope_position_ids if keep.mrope_position_ids is not None else keep.position_ids
+    return ModelInputs(
+        tokens=keep.tokens if first else None,
+        position_ids=position_ids,
+        labels=keep.labels if last else None,
+        loss_mask=keep.loss_mask if last else None,
+        attention_mask=None,
+        padding_mask=keep.padding_mask,
+        packed_seq_params=keep.packed_seq_params(),
+        packed=shard,
+    )
+
+
+def _bshd_inputs(batch: Mapping[str, torch.Tensor], first: bool, last: bool, device, config) -> ModelInputs:
+    """The padded baseline: causal attention that never looks at a pad key; per-token loss on real targets."""
+    tokens = batch["tokens"] if "tokens" in batch else batch["input_ids"]
+    B, S = tokens.shape
+    real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones(B, S, dtype=torch.bool)
+    if real.dim() != 2:
+        raise ValueError("the padded BSHD baseline takes a 2D 0/1 attention_mask")
+    labels = batch.get("labels")
+    if labels is None:
+        labels = torch.full_like(tokens, config.ignore_index)
+        labels[:, :-1] = torch.where(real[:, 1:], tokens[:, 1:], config.ignore_index)
+    loss_mask = batch.get("loss_mask")
+    loss_mask = (labels != config.ignore_index).float() * (1.0 if loss_mask is None else loss_mask.float())
+    loss_mask = loss_mask * real
+    position_ids = batch.get("mrope_position_ids", batch.get("position_ids"))
+    if position_ids is None:
+        position_ids = torch.arange(S).expand(B, S)
+
+    def move(t):
+        return t.to(device, non_blocking=True)
+
+    # Megatron's mask convention: True = masked out. [B, 1, 1, S] masks pad keys; attention adds causality.
+    attention_mask = move(~real[:, None, None, :])
+    return ModelInputs(
+        tokens=move(tokens) if first else None,
+        position_ids=move(position_ids),
+        labels=move(_labels_for_model(labels, config.ignore_index)) if last else None,
+        loss_mask=move(loss_mask) if last else None,
+        attention_mask=attention_mask,
+        padding_mask=move(~real),
+    )
+
+
+def _check_moe_dispatcher(model_config, config: BatchConfig) -> None:
+    if (
+        config.pack_sequences_in_batch
+        and getattr(model_config, "num_moe_experts", None)
+        and model_config.expert_model_parallel_size > 1
+        and model_config.moe_token_dispatcher_type == "allgather"
+        and config.pad_total_to is None
+    ):
+        raise ValueError(
+            "moe_token_dispatcher_type='allgather' all-gathers equal-sized token tensors over the expert-parallel "
+            "group, but packed rows differ in length from rank to rank: set BatchConfig.pad_total_to (a fixed "
+            "token bucket) or use moe_token_dispatcher_type='alltoall'"
+        )
+
+
+def _labels_for_model(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return labels.masked_fill(labels == ignore_index, 0)
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+_TP_GLOO_GROUP: dict[tuple[int, ...], object] = {}
+
+
+def _broadcast_over_tp(obj):
+    """Send the first TP rank's host object to the others of its TP group, over gloo (host memory only)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return obj
+    group = _tp_gloo_group()
+    box = [obj]
+    dist.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=group)
+    return box[0]
+
+
+def _tp_gloo_group():
+    """A gloo group with this rank's TP peers: the TP group itself when it already is gloo (CPU runs), else
+    one gloo group per TP group, created once, collectively (every rank creates every group, in order)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    if dist.get_backend(tp_group) == "gloo":
+        return tp_group
+    mine = tuple(dist.get_process_group_ranks(tp_group))
+    if mine not in _TP_GLOO_GROUP:
+        tp, world = ps.get_tensor_model_parallel_world_size(), dist.get_world_size()
+        # Megatron's default order "tp-cp-ep-dp-pp" makes TP the fastest-varying rank dimension.
+        all_groups = [tuple(range(start, start + tp)) for start in range(0, world, tp)]
+        if mine not in all_groups:
+            raise RuntimeError(
+                f"TP group {list(mine)} is not a block of consecutive ranks: thdpack's get_batch supports "
+                "Megatron's default rank order 'tp-cp-ep-dp-pp' only"
+            )
+        for ranks in all_groups:
+            group = dist.new_group(list(ranks), backend="gloo")
+            if ranks == mine:
+                _TP_GLOO_GROUP[mine] = group
+    return _TP_GLOO_GROUP[mine]
