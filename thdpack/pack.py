@@ -454,6 +454,8 @@ def _unpack_index(packed: PackedBatch, device: torch.device) -> tuple[torch.Tens
 def _to_device(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
     if t.device == device:
         return t
-    # From pageable host memory a non_blocking copy is staged by the driver: the host waits for the staging,
-    # the stream does not sync. Pinning here would cost more than it saves on these small tables.
+    if non_blocking and t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        # From pageable memory cudaMemcpyAsync first waits for the stream to drain (a hidden sync that torch's
+        # sync-debug mode does not report); from pinned memory (torch caches the buffers) it stays async.
+        t = t.pin_memory()
     return t.to(device, non_blocking=non_blocking)

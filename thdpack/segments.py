@@ -57,23 +57,25 @@ class Segments:
             raise ValueError("Segments.row, .start and .length must have the same length")
         if len(self) == 0:
             raise ValueError("Segments holds no sample: a batch needs at least one real token")
-        end = self.start + self.length
-        bad = (self.row < 0) | (self.row >= B) | (self.start < 0) | (self.length < 1) | (end > S)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+        row, start, length = (
+            self.row.numpy(),
+            self.start.numpy(),
+            self.length.numpy(),
+        )  # small: numpy is cheaper
+        end = start + length
+        bad = (row < 0) | (row >= B) | (start < 0) | (length < 1) | (end > S)
+        if bad.any():
+            i = int(bad.argmax())
             raise ValueError(
-                f"sample {i} (row {int(self.row[i])}, start {int(self.start[i])}, length {int(self.length[i])}) "
-                f"does not fit a batch of shape [{B}, {S}]: needs 0 <= row < {B}, start >= 0, length >= 1 and "
-                f"start + length <= {S}"
+                f"sample {i} (row {row[i]}, start {start[i]}, length {length[i]}) does not fit a batch of shape "
+                f"[{B}, {S}]: needs 0 <= row < {B}, start >= 0, length >= 1 and start + length <= {S}"
             )
-        key = self.row * S + self.start
-        prev_end = self.row[:-1] * S + end[:-1]
-        bad = key[1:] < prev_end
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0]) + 1
+        bad = row[1:] * S + start[1:] < row[:-1] * S + end[:-1]
+        if bad.any():
+            i = int(bad.argmax()) + 1
             raise ValueError(
-                f"sample {i} (row {int(self.row[i])}, start {int(self.start[i])}) overlaps or precedes sample {i - 1}: "
-                "segments must be row-major and disjoint"
+                f"sample {i} (row {row[i]}, start {start[i]}) overlaps or precedes sample {i - 1}: segments must "
+                "be row-major and disjoint"
             )
 
 
