@@ -281,7 +281,8 @@ def assemble(
     B, S = tokens.shape
     device = tokens.device
     gather, label_index, no_target, pad, pos = _token_plan(segments, layout, S, labels is None, device)
-    packed_tokens = _take(tokens, gather, pad, pad_token_id)
+    fill_pad = pad if layout.total_tokens > layout.num_real_tokens else None  # no pad: nothing to overwrite
+    packed_tokens = _take(tokens, gather, fill_pad, pad_token_id)
     packed_labels = _take(tokens if labels is None else labels, label_index, no_target, ignore_index).long()
     no_count = packed_labels == ignore_index
     if loss_mask is None:
@@ -410,14 +411,17 @@ def _expand_on_device(table: np.ndarray, crossing: np.ndarray, T: int, derive_la
     return gather, label_index, no_target, pad, index.sub_(seg_start)
 
 
-def _take(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor, value: float) -> torch.Tensor:
-    """``x.reshape(-1)[index]`` with ``value`` where ``fill``; numpy on the host (see :func:`_token_plan`)."""
+def _take(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor | None, value: float) -> torch.Tensor:
+    """``x.reshape(-1)[index]`` with ``value`` where ``fill`` (None: nowhere); numpy on the host (see
+    :func:`_token_plan`)."""
     flat = x.reshape(-1)
     if flat.device.type == "cpu" and flat.dtype in _NUMPY_DTYPES:
         out = np.take(flat.numpy(), index.numpy())
-        np.putmask(out, fill.numpy(), value)
+        if fill is not None:
+            np.putmask(out, fill.numpy(), value)
         return torch.from_numpy(out)
-    return flat.index_select(0, index).masked_fill_(fill, value)
+    out = flat.index_select(0, index)
+    return out if fill is None else out.masked_fill_(fill, value)
 
 
 _NUMPY_DTYPES = {
