@@ -17,8 +17,8 @@ from thdpack.attention.torch_attention import (
     TorchTHDAttention,
     attend_bshd,
     attend_thd,
-    cp_global_index,
 )
+from thdpack.context_parallel import cp_partition_indices
 
 DTYPE = torch.float64
 D = 8
@@ -188,24 +188,10 @@ CP_CU = [0, 5, 13, 14]
 CP_CU_PADDED = [0, 8, 16, 20]
 
 
-def test_cp_global_index_follows_te_zigzag_rule():
-    cup = torch.tensor([0, 8, 16])
-    assert cp_global_index(cup, 16, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
-    assert cp_global_index(cup, 16, 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
-
-
-def test_cp_global_index_agrees_with_packer():
-    cp = pytest.importorskip("thdpack.context_parallel")
-    cup = torch.tensor(CP_CU_PADDED, dtype=torch.int32)
-    for rank in range(2):
-        expected = torch.as_tensor(cp.cp_partition_indices(cup, 2, rank)).tolist()
-        assert cp_global_index(cup, 20, 2, rank).tolist() == expected
-
-
 def _simulate_cp2(q, k, v, backend):
     """Run both ranks of cp=2 in one process; the gather hands each rank every rank's K/V leaves."""
     cu, cup = torch.tensor(CP_CU), torch.tensor(CP_CU_PADDED)
-    idx = [cp_global_index(cup, q.shape[0], 2, r) for r in range(2)]
+    idx = [cp_partition_indices(cup, 2, r) for r in range(2)]
     local = [[x[i].detach().clone().requires_grad_() for x in (q, k, v)] for i in idx]
 
     def gather_for(rank):

@@ -39,6 +39,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from thdpack.context_parallel import cp_partition_indices
+
 Boundaries = Tensor | Sequence[int]
 BACKENDS = ("auto", "varlen", "flash", "sdpa", "dense")
 
@@ -48,36 +50,6 @@ _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 # --------------------------------------------------------------------------------------------
 # Context-parallel helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _cp_owner(cu_seqlens_padded: Tensor, total: int, cp_size: int) -> Tensor:
-    """CP rank owning each global row `[total]` under TE's per-sample zigzag rule (sync-free)."""
-    cu = cu_seqlens_padded.to(torch.int64)
-    g = torch.arange(total, device=cu.device)
-    # Rows past the last boundary are clamped into the last sample; TE requires total == cu[-1].
-    seg = torch.searchsorted(cu[1:], g, right=True).clamp_max(cu.numel() - 2)
-    start = cu[seg]
-    length = (cu[seg + 1] - start).clamp_min(1)
-    chunk = (g - start) * (2 * cp_size) // length
-    return torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)
-
-
-def cp_rank_major_order(cu_seqlens_padded: Tensor, total: int, cp_size: int) -> Tensor:
-    """Global row indices `[total]` int64, rank 0's shard first, then rank 1's, ...
-
-    Slice `r*total//cp : (r+1)*total//cp` is rank `r`'s shard in its local order (ascending global
-    index: sample after sample, chunk `r` then chunk `2*cp-1-r`), identical to TE's
-    `thd_get_partitioned_indices`. Pure device ops, no host sync. Needs every physical sample length
-    divisible by `2*cp` and `total == cu_seqlens_padded[-1]`.
-    """
-    owner = _cp_owner(cu_seqlens_padded, total, cp_size)
-    return torch.argsort(owner, stable=True)
-
-
-def cp_global_index(cu_seqlens_padded: Tensor, total: int, cp_size: int, cp_rank: int) -> Tensor:
-    """Global row indices `[total // cp_size]` int64 of rank `cp_rank`'s shard, in local order."""
-    n = total // cp_size
-    return cp_rank_major_order(cu_seqlens_padded, total, cp_size)[cp_rank * n : (cp_rank + 1) * n]
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -439,11 +411,16 @@ def attend_thd(
         kv = kv_gather(torch.stack((key, value), dim=1))  # one collective for K and V
         if kv.shape[0] != t_local * cp_size:
             raise ValueError(f"kv_gather returned {kv.shape[0]} rows, expected {t_local * cp_size}")
-        cup_dev = _as_device(cu_seqlens if fold else cu_seqlens_padded, device)
-        order = cp_rank_major_order(cup_dev, t_local * cp_size, cp_size)
+        if not have_host:
+            raise ValueError(
+                "context parallelism in the torch attention needs host copies of the boundaries "
+                "(host_cu_seqlens*; thdpack's PackedBatch.packed_seq_params() attaches them)"
+            )
+        # Rank-major gathered rows -> global order, with TE's partition computed on the host boundaries.
+        cup_host = torch.as_tensor(list(host_cup), dtype=torch.int64)
+        order = torch.cat([cp_partition_indices(cup_host, cp_size, r) for r in range(cp_size)]).to(device)
         gidx = order[cp_rank * t_local : (cp_rank + 1) * t_local]
-        # rank-major rows -> global order
-        kv = kv.index_select(0, torch.argsort(order))
+        kv = torch.empty_like(kv).index_copy_(0, order, kv)
         key, value = kv[:, 0], kv[:, 1]
     k_full, v_full = _expand_kv(key, groups, 1), _expand_kv(value, groups, 1)
 
