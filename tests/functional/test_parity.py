@@ -41,6 +41,15 @@ def test_distinct_boundaries_under_cp_match_reference(run_torchrun, layout):
     assert f"PARITY OK {layout} mixed" in out
 
 
+def test_tp_batches_reach_pipeline_stages_over_their_own_gloo_groups(run_torchrun):
+    # The path taken under NCCL: the host batch travels over a separate gloo group per TP group (created by its
+    # members only), here with two pipeline stages that start their first micro-batch at different times.
+    out = run_torchrun(
+        "parity.py", nproc=4, args=["--layout", "tp2_pp2", "--own-gloo-tp-groups"], timeout=240
+    )
+    assert "PARITY OK tp2_pp2 mixed" in out
+
+
 def test_cross_sample_labels_are_masked_in_shared_rows(run_torchrun):
     # Two samples in one row with Megatron-shifted labels: the first sample's last label is the second's first
     # token; counting it would make the packed loss differ from each sample alone.

@@ -228,25 +228,20 @@ def _broadcast_over_tp(obj):
 
 
 def _tp_gloo_group():
-    """A gloo group with this rank's TP peers: the TP group itself when it already is gloo (CPU runs), else
-    one gloo group per TP group, created once, collectively (every rank creates every group, in order)."""
+    """A gloo group with this rank's TP peers: the TP group itself when it already is gloo (CPU runs), else a
+    gloo group over the same ranks, created once, lazily. Only its members take part
+    (``use_local_synchronization``): pipeline stages reach their first ``get_batch`` at different times, so a
+    group creation that involves every rank of the world does not belong here."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
-    if dist.get_backend(tp_group) == "gloo":
+    if _is_gloo(tp_group):
         return tp_group
-    mine = tuple(dist.get_process_group_ranks(tp_group))
-    if mine not in _TP_GLOO_GROUP:
-        tp, world = ps.get_tensor_model_parallel_world_size(), dist.get_world_size()
-        # Megatron's default order "tp-cp-ep-dp-pp" makes TP the fastest-varying rank dimension.
-        all_groups = [tuple(range(start, start + tp)) for start in range(0, world, tp)]
-        if mine not in all_groups:
-            raise RuntimeError(
-                f"TP group {list(mine)} is not a block of consecutive ranks: thdpack's get_batch supports "
-                "Megatron's default rank order 'tp-cp-ep-dp-pp' only"
-            )
-        for ranks in all_groups:
-            group = dist.new_group(list(ranks), backend="gloo")
-            if ranks == mine:
-                _TP_GLOO_GROUP[mine] = group
-    return _TP_GLOO_GROUP[mine]
+    ranks = tuple(dist.get_process_group_ranks(tp_group))
+    if ranks not in _TP_GLOO_GROUP:
+        _TP_GLOO_GROUP[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _TP_GLOO_GROUP[ranks]
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"

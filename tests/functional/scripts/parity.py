@@ -41,6 +41,7 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "cp2": dict(cp=2),
     "cp2_tp2": dict(cp=2, tp=2),
+    "tp2_pp2": dict(tp=2, pp=2),
     "dp2": dict(),
     "ep2": dict(ep=2, moe=True),  # alltoall dispatcher
     "ep2_allgather": dict(ep=2, moe=True, dispatcher="allgather", bucket=64),
@@ -350,11 +351,20 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", default="torch", choices=["torch", "te"])
     parser.add_argument("--mode", default="auto", choices=["auto", "distinct", "fold"])
+    parser.add_argument(
+        "--own-gloo-tp-groups",
+        action="store_true",
+        help="send batches over separate gloo TP groups, as with NCCL (on CPU the TP group already is gloo)",
+    )
     global ARGS
     args = ARGS = parser.parse_args()
     layout = LAYOUTS[args.layout]
     moe, mrope = layout.get("moe", False), layout.get("mrope", False)
 
+    if args.own_gloo_tp_groups:
+        from thdpack.megatron import batch as batch_module
+
+        batch_module._is_gloo = lambda group: False
     init_parallel()
     world = dist.get_world_size()
     tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
