@@ -30,6 +30,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -98,7 +99,7 @@ def _host_list(x: Boundaries | None) -> list[int] | None:
     if isinstance(x, Tensor):
         if x.device.type != "cpu":
             return None  # reading it would stall the GPU; callers fall back to sync-free paths
-        return [int(v) for v in x.tolist()]
+        return x.tolist()
     return [int(v) for v in x]
 
 
@@ -109,24 +110,27 @@ def _as_device(x: Boundaries, device: torch.device) -> Tensor:
 
 
 def _check_host(cu: list[int], cup: list[int], local_rows: int, cp_size: int) -> None:
+    """Validate host boundaries, vectorized (this runs in every attention layer)."""
     if len(cu) != len(cup) or len(cu) < 2:
         raise ValueError(
             f"cu_seqlens has {len(cu)} entries and cu_seqlens_padded {len(cup)}: both must be "
             "[N+1] boundaries of the same N samples"
         )
-    for i in range(len(cu) - 1):
-        n, phys = cu[i + 1] - cu[i], cup[i + 1] - cup[i]
-        if n < 0 or n > phys:
-            raise ValueError(
-                f"sample {i} has {n} real tokens in a physical segment of {phys} rows "
-                f"(cu_seqlens={cu[i]}..{cu[i + 1]}, cu_seqlens_padded={cup[i]}..{cup[i + 1]}): "
-                "real length must be between 0 and the padded length"
-            )
-        if cp_size > 1 and phys % (2 * cp_size):
-            raise ValueError(
-                f"sample {i} has physical length {phys}, not divisible by 2*cp={2 * cp_size}: "
-                "context parallelism needs every cu_seqlens_padded segment aligned to 2*cp"
-            )
+    n, phys = np.diff(cu), np.diff(cup)
+    bad = (n < 0) | (n > phys)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(
+            f"sample {i} has {n[i]} real tokens in a physical segment of {phys[i]} rows "
+            f"(cu_seqlens={cu[i]}..{cu[i + 1]}, cu_seqlens_padded={cup[i]}..{cup[i + 1]}): "
+            "real length must be between 0 and the padded length"
+        )
+    if cp_size > 1 and (phys % (2 * cp_size)).any():
+        i = int((phys % (2 * cp_size) != 0).argmax())
+        raise ValueError(
+            f"sample {i} has physical length {phys[i]}, not divisible by 2*cp={2 * cp_size}: "
+            "context parallelism needs every cu_seqlens_padded segment aligned to 2*cp"
+        )
     if cp_size > 1 and local_rows * cp_size != cup[-1]:
         raise ValueError(
             f"{local_rows} local rows x cp={cp_size} != cu_seqlens_padded[-1]={cup[-1]}: under context "
@@ -358,13 +362,14 @@ def attend_thd(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
     device = query.device
 
-    host_cu = host_cu_seqlens if host_cu_seqlens is not None else _host_list(cu_seqlens)
+    # Python int lists, read once per call (host copies from the packer, or CPU tensors).
+    host_cu = _host_list(host_cu_seqlens if host_cu_seqlens is not None else cu_seqlens)
     if fold:
         host_cup = host_cu
-    elif host_cu_seqlens_padded is not None:
-        host_cup = host_cu_seqlens_padded
     else:
-        host_cup = _host_list(cu_seqlens_padded)
+        host_cup = _host_list(
+            host_cu_seqlens_padded if host_cu_seqlens_padded is not None else cu_seqlens_padded
+        )
     have_host = host_cu is not None and host_cup is not None
     half = query.dtype in (torch.float16, torch.bfloat16)
 
@@ -383,7 +388,7 @@ def attend_thd(
             "host_cu_seqlens_padded (or CPU tensors); CUDA boundaries are never read back"
         )
     if have_host:
-        _check_host(list(host_cu), list(host_cup), query.shape[0], cp_size)
+        _check_host(host_cu, host_cup, query.shape[0], cp_size)
 
     if backend in ("varlen", "flash"):
         if cp_size > 1:
@@ -417,7 +422,7 @@ def attend_thd(
                 "(host_cu_seqlens*; thdpack's PackedBatch.packed_seq_params() attaches them)"
             )
         # Rank-major gathered rows -> global order, with TE's partition computed on the host boundaries.
-        cup_host = torch.as_tensor(list(host_cup), dtype=torch.int64)
+        cup_host = torch.as_tensor(host_cup, dtype=torch.int64)
         order = torch.cat([cp_partition_indices(cup_host, cp_size, r) for r in range(cp_size)]).to(device)
         gidx = order[cp_rank * t_local : (cp_rank + 1) * t_local]
         kv = torch.empty_like(kv).index_copy_(0, order, kv)
@@ -426,7 +431,7 @@ def attend_thd(
 
     if backend == "sdpa":
         return _attend_per_sample(
-            query, k_full, v_full, list(host_cu), list(host_cup), cp_size, cp_rank, scale, dropout_p
+            query, k_full, v_full, host_cu, host_cup, cp_size, cp_rank, scale, dropout_p
         )
 
     cu_dev = _as_device(cu_seqlens, device)
