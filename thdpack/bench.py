@@ -200,23 +200,28 @@ def compare_with_bridge(packed, bridged: dict) -> list[str]:
 # Timing
 
 
-def time_ms(fn: Callable[[], object], *, repeats: int, warmup: int, cuda: bool) -> list[float]:
-    """Wall time of each of ``repeats`` calls of ``fn()`` in ms, after ``warmup`` untimed calls.
+def time_ms(
+    fns: dict[str, Callable[[], object]], *, repeats: int, warmup: int, cuda: bool
+) -> dict[str, list[float]]:
+    """Wall time in ms of ``repeats`` calls of each function, after ``warmup`` untimed rounds.
 
-    On CUDA the GPU is drained before and after each timed call (never inside it), so a call's time
-    includes the device work it queued.
+    The calls are interleaved (A B A B ...), so a drift of this shared machine's speed hits every function
+    alike and the paired ratios stay meaningful. On CUDA the GPU is drained before and after each timed call
+    (never inside it), so a call's time includes the device work it queued.
     """
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+        for name, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) * 1e3)
     return times
 
 
@@ -250,6 +255,7 @@ def sync_check(fn: Callable[[], object]) -> tuple[bool, str]:
 # pack
 
 
+BRIDGE = "megatron-bridge"
 VARIANT_HOST = "host batch"
 VARIANT_HOST_MASK = "a: host mask -> segments, GPU batch"
 VARIANT_GPU_MASK = "b: all on GPU, mask too"
@@ -309,10 +315,14 @@ def bench_case(case: Case, args, packer: Callable | None) -> list[dict]:
         "mismatched_fields": None,
         "bridge_times_ms": None,
     }
+    fns = {variant: fn for variant, fn, _ in variants}
+    if packer is not None:
+        fns[BRIDGE] = lambda: bridge_pack(packer, batch, case.cp_size)
+    all_times = time_ms(fns, **timing)
     if packer is not None:
         bridged = bridge_pack(packer, batch, case.cp_size)
         bad = compare_with_bridge(thd_full(), bridged)
-        times = time_ms(lambda: bridge_pack(packer, batch, case.cp_size), **timing)
+        times = all_times[BRIDGE]
         bridge = {
             "bridge_ms": statistics.median(times),
             "bridge_times_ms": times,
@@ -324,7 +334,7 @@ def bench_case(case: Case, args, packer: Callable | None) -> list[dict]:
     rows = []
     for variant, fn, sync_fn in variants:
         packed = fn()
-        times = time_ms(fn, **timing)
+        times = all_times[variant]
         ms = statistics.median(times)
         row = {
             **common,
@@ -335,7 +345,12 @@ def bench_case(case: Case, args, packer: Callable | None) -> list[dict]:
             "thdpack_times_ms": times,
             **bridge,
         }
-        row["ratio"] = row["bridge_ms"] / ms if row["bridge_ms"] is not None else None
+        # Median of the paired ratios (bridge call i / thdpack call i of the same round).
+        row["ratio"] = (
+            statistics.median(b / t for b, t in zip(bridge["bridge_times_ms"], times, strict=True))
+            if bridge["bridge_times_ms"] is not None
+            else None
+        )
         if args.sync_check:
             passed, error = sync_check(sync_fn)
             row["sync_check"] = {"passed": passed, "error": error, "syncs": count_syncs(sync_fn)}
@@ -366,7 +381,10 @@ def print_table(rows: list[dict], peer_note: str) -> None:
             f"{_fmt(r['bridge_ms'], '.3f'):>10} {ratio:>10} {r['thdpack_pad_overhead']:>8.4f} "
             f"{_fmt(r['bridge_pad_overhead'], '.4f'):>10} {r['bshd_pad_overhead']:>8.2f}  {same}"
         )
-    print(f"ms = median per batch; pad = physical / real tokens (bshd: B*S / real); bridge: {peer_note}")
+    print(
+        "ms = median per batch; bridge/thd = median of paired ratios (calls interleaved); "
+        f"pad = physical / real tokens (bshd: B*S / real); bridge: {peer_note}"
+    )
     for r in rows:
         check = r.get("sync_check")
         if check is None:

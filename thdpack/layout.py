@@ -142,10 +142,10 @@ class PackLayout:
 def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     """Place samples of the given real ``lengths`` (int64 ``[N]``, host) into one aligned row."""
     a = alignment
-    lengths = lengths.to(torch.int64)
+    real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
     m = a.sample_multiple
-    padded = lengths if m == 1 else (lengths + m - 1) // m * m
-    body = int(padded.numpy().sum())
+    padded = real if m == 1 else (real + m - 1) // m * m
+    body = int(padded.sum())
     total = -(-body // a.total_multiple) * a.total_multiple
     if a.pad_total_to is not None:
         if total > a.pad_total_to:
@@ -154,11 +154,11 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
                 "bucket or send fewer tokens per micro-batch"
             )
         total = a.pad_total_to
-    attn = padded if a.mode == "fold" else lengths
+    attn = padded if a.mode == "fold" else real
     if total > body:
-        tail = torch.tensor([total - body])
-        padded, attn = torch.cat([padded, tail]), torch.cat([attn, tail])
-    return PackLayout.from_lengths(lengths, padded, attn)
+        padded, attn = np.append(padded, total - body), np.append(attn, total - body)
+    as_tensor = torch.from_numpy
+    return PackLayout.from_lengths(as_tensor(real), as_tensor(padded), as_tensor(attn))
 
 
 def _cumsum0(x: np.ndarray) -> torch.Tensor:

@@ -133,17 +133,20 @@ def find_segments(
                 )
             if runs is not None and position_ids is None:
                 first, length, _ = runs
-                keep = length > 0
-                if not bool(keep.any()):
+                keep = np.flatnonzero(length)
+                if keep.size == 0:
                     raise ValueError(
                         f"the batch of shape {list(attention_mask.shape)} has no real token: every row is pad"
                     )
-                return Segments(row=keep.nonzero().flatten(), start=first[keep], length=length[keep])
+                as_tensor = torch.from_numpy
+                return Segments(
+                    row=as_tensor(keep), start=as_tensor(first[keep]), length=as_tensor(length[keep])
+                )
             if runs is None:  # segment ids
                 ids = _host(attention_mask)
                 real, begins = _from_segment_ids(ids, ids != 0)
             else:
-                first, length, _ = runs
+                first, length = (torch.from_numpy(v) for v in runs[:2])
                 col = torch.arange(attention_mask.shape[1])
                 real = (col >= first[:, None]) & (col < (first + length)[:, None])
                 begins = real & (col == first[:, None])
@@ -198,7 +201,7 @@ def _check_integral_nonnegative(name: str, m: torch.Tensor) -> None:
 def _row_runs(
     mask: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-    """``(first column, length, no_restart)`` for a 0/1 mask: each row's real run (int64 host ``[B]``) and
+    """``(first column, length, no_restart)`` for a 0/1 mask: each row's real run (int64 numpy ``[B]``) and
     whether ``position_ids`` (if given) are 0 nowhere but in column 0 (Megatron's ``arange`` ids: then the mask
     alone decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
     and on holes.
@@ -212,7 +215,7 @@ def _row_runs(
         _check_integral_nonnegative("attention_mask", _host(mask))
     if above_one:
         return None
-    if runs != int((length > 0).sum()):
+    if runs != np.count_nonzero(length):
         b = int(next(b for b in range(mask.shape[0]) if _has_hole(_host(mask[b]))))
         cols = (_host(mask[b]) != 0).nonzero().flatten()
         hole = int(cols[int((cols.diff() > 1).nonzero()[0])]) + 1
@@ -235,8 +238,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     if a.dtype == np.bool_:
         real, outside = a, False
     elif a.dtype.kind in "iu":
-        # One pass finds any value outside {0, 1}: viewed as unsigned, a negative value is huge.
-        outside = bool((a.view(f"u{a.itemsize}") > 1).any())
+        outside = bool(a.max() > 1 or a.min() < 0)  # reductions: no temporary array
         real = a.astype(np.bool_)
     else:
         real = a != 0
@@ -245,7 +247,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     if outside:  # segment ids or bad values: tell them apart
         negative, above_one = bool(a.min() < 0), bool(a.max() > 1)
         fractional = a.dtype.kind == "f" and bool((a != np.round(a)).any())
-    first = real.argmax(axis=1)
+    first = real.argmax(axis=1).astype(np.int64)
     length = real.view(np.uint8).sum(axis=1, dtype=np.int32).astype(np.int64)
     runs = int(np.count_nonzero(real[:, 1:] > real[:, :-1])) + int(np.count_nonzero(real[:, 0]))
     restarts = 0
@@ -253,7 +255,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
         later = _host(position_ids)[:, 1:].numpy()
         if later.size and later.min() <= 0:  # a min-reduction is cheaper than counting zeros; rarely taken
             restarts = int(np.count_nonzero(later == 0))
-    return torch.from_numpy(first), torch.from_numpy(length), runs, restarts, negative, above_one, fractional
+    return first, length, runs, restarts, negative, above_one, fractional
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
@@ -273,7 +275,7 @@ def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> 
     scalars = torch.stack([runs, restarts, negative, above_one, fractional])
     table = torch.cat([u.argmax(dim=1), u.sum(dim=1), scalars]).cpu()
     runs, restarts, negative, above_one, fractional = table[2 * B :].tolist()
-    return table[:B], table[B : 2 * B], runs, restarts, negative, above_one, fractional
+    return table[:B].numpy(), table[B : 2 * B].numpy(), runs, restarts, negative, above_one, fractional
 
 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from thdpack.megatron.batch import BatchConfig
 from thdpack.megatron.cpu import initialize_model_parallel_cpu
 from thdpack.megatron.models import build_gpt_model
-from thdpack.megatron.step import make_forward_step
+from thdpack.megatron.step import make_forward_step, reduce_loss_report
 
 ARGS = None  # the parsed command line: device, backend, mode
 
@@ -310,6 +310,9 @@ def packed_run(config, layout, full, batches, moe, mrope, bucket):
     dist.all_gather_object(counts, int(local_sum[1]) if last else None)
     dist.all_reduce(local_sum)
     loss, num_tokens = float(local_sum[0] / local_sum[1]), int(local_sum[1])
+    if ps.is_pipeline_last_stage(ignore_virtual=True):  # the reported loss: thdpack's DP x CP reduction
+        reported = float(reduce_loss_report(reports))
+        assert abs(reported - loss) <= 1e-6 * abs(loss), f"reduce_loss_report gave {reported}, expected {loss}"
     grads = reduced_full_grads(model, config.sequence_parallel, num_tokens)
     return loss, grads, seen, router_counts, counts
 
