@@ -375,19 +375,26 @@ def _token_plan(
 
 def _expand_on_host(table: np.ndarray, crossing: np.ndarray, T: int, derive_labels: bool, device) -> tuple:
     padded_length, seg_start, real_end, shift = table
-    real_end = np.repeat(real_end, padded_length)
     index = np.arange(T)
-    pad = index >= real_end
     gather = np.repeat(shift, padded_length)
     gather += index
-    np.putmask(gather, pad, 0)
+    if (real_end == seg_start + padded_length).all():
+        # No pad anywhere (no CP, no trailing segment): every position is real, and the positions without a
+        # target are a handful of sample ends, set directly instead of comparing every position.
+        pad = np.zeros(T, dtype=np.bool_)
+        no_target = pad.copy()
+        no_target[(real_end - 1) if derive_labels else crossing] = True
+    else:
+        real_end = np.repeat(real_end, padded_length)
+        pad = index >= real_end
+        np.putmask(gather, pad, 0)
+        no_target = index >= real_end - 1 if derive_labels else pad.copy()
+        if not derive_labels:
+            no_target[crossing] = True
     if derive_labels:
-        no_target = index >= real_end - 1
         label_index = gather + 1
         np.putmask(label_index, no_target, 0)
     else:
-        no_target = pad.copy()
-        no_target[crossing] = True
         label_index = gather
     index -= np.repeat(seg_start, padded_length)
     return tuple(torch.from_numpy(a) for a in (gather, label_index, no_target, pad, index))

@@ -238,7 +238,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     if a.dtype == np.bool_:
         real, outside = a, False
     elif a.dtype.kind in "iu":
-        outside = bool(a.max() > 1 or a.min() < 0)  # reductions: no temporary array
+        outside = bool((a.view(f"u{a.itemsize}") > 1).any())  # one pass: as unsigned, negatives are huge
         real = a.astype(np.bool_)
     else:
         real = a != 0
