@@ -312,7 +312,9 @@ def packed_run(config, layout, full, batches, moe, mrope, bucket):
     loss, num_tokens = float(local_sum[0] / local_sum[1]), int(local_sum[1])
     if ps.is_pipeline_last_stage(ignore_virtual=True):  # the reported loss: thdpack's DP x CP reduction
         reported = float(reduce_loss_report(reports))
-        assert abs(reported - loss) <= 1e-6 * abs(loss), f"reduce_loss_report gave {reported}, expected {loss}"
+        assert abs(reported - loss) <= 1e-6 * abs(loss), (
+            f"reduce_loss_report gave {reported}, expected {loss}"
+        )
     grads = reduced_full_grads(model, config.sequence_parallel, num_tokens)
     return loss, grads, seen, router_counts, counts
 
