@@ -284,12 +284,13 @@ def test_get_core_attention_names_the_choices():
         get_core_attention("flash")
 
 
-def test_te_backend_without_transformer_engine_says_what_to_install():
-    pytest.importorskip("megatron")
+def test_te_backend_is_megatrons_te_attention_or_says_what_to_install():
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError, match="thdpack\\[gpu\\]"):
             get_core_attention("te")
     else:
-        pytest.skip("Transformer Engine is installed")
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        assert get_core_attention("te") is TEDotProductAttention
