@@ -236,47 +236,29 @@ def _sdpa(q, k, v, scale, dropout_p, mask=None, causal=False):
 def _attend_per_sample(q, k_full, v_full, cu, cup, cp_size, cp_rank, scale, dropout_p):
     """Exact reference: one SDPA per sample over its real tokens only; pad rows are zeros.
 
-    `k_full`/`v_full` hold every global row (gathered under CP); `q` holds the local rows.
+    `k_full`/`v_full` hold every global row (gathered under CP); `q` holds the local rows: for each sample,
+    its whole slot without CP, chunks `r` and `2*cp-1-r` of its slot under CP (TE's zigzag).
     """
     pieces = []
     for i in range(len(cu) - 1):
         n, start, phys = cu[i + 1] - cu[i], cup[i], cup[i + 1] - cup[i]
         if cp_size == 1:
-            if n:
-                pieces.append(
-                    _sdpa(
-                        q[start : start + n],
-                        k_full[start : start + n],
-                        v_full[start : start + n],
-                        scale,
-                        dropout_p,
-                        causal=True,
-                    )
-                )
-            pieces.append(q.new_zeros((phys - n, *q.shape[1:])))
-            continue
-        c = phys // (2 * cp_size)
-        lo, rows = start // cp_size, phys // cp_size
-        first, second = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c  # this rank's two chunks
-        m = min(max(n - first, 0), c) + min(max(n - second, 0), c)  # real rows: a prefix
-        if m:
-            qpos = torch.cat(
+            lo, rows, positions = start, phys, torch.arange(phys)
+        else:
+            c = phys // (2 * cp_size)
+            lo, rows = start // cp_size, phys // cp_size
+            positions = torch.cat(
                 (
-                    torch.arange(first, first + c, device=q.device),
-                    torch.arange(second, second + c, device=q.device),
-                )
-            )[:m]
-            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
-            pieces.append(
-                _sdpa(
-                    q[lo : lo + m],
-                    k_full[start : start + n],
-                    v_full[start : start + n],
-                    scale,
-                    dropout_p,
-                    mask=mask,
+                    torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                    torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c),
                 )
             )
+        qpos = positions[positions < n].to(q.device)  # this rank's real rows of the sample: a prefix of them
+        m = qpos.numel()
+        if m:
+            causal = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
+            keys = slice(start, start + n)
+            pieces.append(_sdpa(q[lo : lo + m], k_full[keys], v_full[keys], scale, dropout_p, mask=causal))
         pieces.append(q.new_zeros((rows - m, *q.shape[1:])))
     covered = cup[-1] // cp_size
     pieces.append(q.new_zeros((q.shape[0] - covered, *q.shape[1:])))  # rows past the last sample
