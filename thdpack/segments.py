@@ -128,9 +128,8 @@ def find_segments(
                 _check_shape("position_ids", position_ids, tuple(attention_mask.shape))
             runs = _row_runs(attention_mask, position_ids)
             if runs is not None and runs[2]:
-                position_ids = (
-                    None  # ids restart only at column 0, where a run starts anyway: nothing to split
-                )
+                # The ids restart only at column 0, where a run starts anyway: nothing to split.
+                position_ids = None
             if runs is not None and position_ids is None:
                 first, length, _ = runs
                 keep = np.flatnonzero(length)
@@ -178,7 +177,7 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {list(t.shape)} but the batch is {list(shape)}")
 
 
-def _shift_right(x: torch.Tensor, fill: bool) -> torch.Tensor:
+def _shift_right(x: torch.Tensor, fill: bool | int) -> torch.Tensor:
     """``x[:, j-1]`` at column ``j`` (``fill`` at column 0)."""
     out = torch.empty_like(x)
     out[:, 0] = fill
@@ -216,9 +215,8 @@ def _row_runs(
     if above_one:
         return None
     if runs != np.count_nonzero(length):
-        b = int(next(b for b in range(mask.shape[0]) if _has_hole(_host(mask[b]))))
-        cols = (_host(mask[b]) != 0).nonzero().flatten()
-        hole = int(cols[int((cols.diff() > 1).nonzero()[0])]) + 1
+        # Error path only: find the first row with a hole (the rows are copied to the host one by one).
+        b, hole = next((b, h) for b in range(mask.shape[0]) if (h := _first_hole(_host(mask[b]))) is not None)
         raise ValueError(
             f"row {b} of attention_mask has a hole at column {hole}: a 0/1 mask must be contiguous (use segment "
             "ids 1,2,3 for several samples per row)"
@@ -226,9 +224,11 @@ def _row_runs(
     return first, length, restarts == 0
 
 
-def _has_hole(row: torch.Tensor) -> bool:
+def _first_hole(row: torch.Tensor) -> int | None:
+    """First column of a 0 between two real tokens of a 1-D mask row, or None."""
     cols = (row != 0).nonzero().flatten()
-    return bool((cols.diff() > 1).any())
+    gaps = (cols.diff() > 1).nonzero()
+    return int(cols[int(gaps[0])]) + 1 if gaps.numel() else None
 
 
 def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
@@ -281,7 +281,7 @@ def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_integral_nonnegative("attention_mask", ids)
     ids = ids.long()
-    begins = real & ((ids != _shift_right_long(ids)) | ~_shift_right(real, False))
+    begins = real & ((ids != _shift_right(ids, -1)) | ~_shift_right(real, False))
     rows, cols = begins.nonzero(as_tuple=True)
     key = rows * (int(ids.max()) + 1) + ids[rows, cols]
     _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
@@ -294,13 +294,6 @@ def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tens
             "be one contiguous run within its row"
         )
     return real, begins
-
-
-def _shift_right_long(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
-    out[:, 0] = -1
-    out[:, 1:] = x[:, :-1]
-    return out
 
 
 def _from_4d_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,7 +342,7 @@ def _from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.
         b, j = (int(v) for v in (p < 0).nonzero()[0])
         raise ValueError(f"row {b} of position_ids has negative id {int(p[b, j])} at column {j}")
     begins = p == 0
-    step_ok = begins | (p == _shift_right_long(p) + 1)
+    step_ok = begins | (p == _shift_right(p, -1) + 1)
     step_ok[:, 0] = begins[:, 0]
     if not bool(step_ok.all()):
         b, j = (int(v) for v in (~step_ok).nonzero()[0])
