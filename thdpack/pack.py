@@ -91,6 +91,9 @@ class PackedBatch:
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """Every token-aligned tensor by name (``mrope_position_ids`` and ``extra`` entries included)."""
+        return {**self._own_token_tensors(), **self.extra}
+
+    def _own_token_tensors(self) -> dict[str, torch.Tensor]:
         out = {
             "tokens": self.tokens,
             "labels": self.labels,
@@ -100,33 +103,20 @@ class PackedBatch:
         }
         if self.mrope_position_ids is not None:
             out["mrope_position_ids"] = self.mrope_position_ids
-        out.update(self.extra)
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> PackedBatch:
         """Move every tensor (boundary arrays included) to ``device``; ``cu_seqlens_padded is cu_seqlens``
         is kept. Host metadata (``segments``, ``layout``) stays on the host."""
         device = torch.device(device)
-        moved: dict[int, torch.Tensor] = {}
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if id(t) not in moved:
-                moved[id(t)] = _to_device(t, device, non_blocking)
-            return moved[id(t)]
-
-        return dataclasses.replace(
-            self,
-            tokens=move(self.tokens),
-            labels=move(self.labels),
-            loss_mask=move(self.loss_mask),
-            position_ids=move(self.position_ids),
-            cu_seqlens=move(self.cu_seqlens),
-            cu_seqlens_padded=move(self.cu_seqlens_padded),
-            padding_mask=move(self.padding_mask),
-            mrope_position_ids=move(self.mrope_position_ids),
-            extra={k: move(v) for k, v in self.extra.items()},
+        cu_padded = _to_device(self.cu_seqlens_padded, device, non_blocking)
+        cu = (
+            cu_padded
+            if self.cu_seqlens is self.cu_seqlens_padded
+            else _to_device(self.cu_seqlens, device, non_blocking)
+        )
+        return self._map_token_tensors(
+            lambda t: _to_device(t, device, non_blocking), cu_seqlens=cu, cu_seqlens_padded=cu_padded
         )
 
     def packed_seq_params(self):
@@ -166,22 +156,15 @@ class PackedBatch:
             return self
         index = cp_partition_indices(self.layout.cu_seqlens_padded, cp_size, cp_rank)
         index = _to_device(index, self.tokens.device, True)
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(t.dim() - 1, index)
-
-        return dataclasses.replace(
-            self,
-            tokens=take(self.tokens),
-            labels=take(self.labels),
-            loss_mask=take(self.loss_mask),
-            position_ids=take(self.position_ids),
-            padding_mask=take(self.padding_mask),
-            mrope_position_ids=None if self.mrope_position_ids is None else take(self.mrope_position_ids),
-            extra={k: take(v) for k, v in self.extra.items()},
-            cp_size=cp_size,
-            cp_rank=cp_rank,
+        return self._map_token_tensors(
+            lambda t: t.index_select(t.dim() - 1, index), cp_size=cp_size, cp_rank=cp_rank
         )
+
+    def _map_token_tensors(self, fn, **changes) -> PackedBatch:
+        """A copy with ``fn`` applied to every token-aligned tensor (the fields of :meth:`token_tensors`)."""
+        own = {name: fn(t) for name, t in self._own_token_tensors().items()}
+        extra = {name: fn(t) for name, t in self.extra.items()}
+        return dataclasses.replace(self, **own, extra=extra, **changes)
 
 
 def pack_bshd(
@@ -308,9 +291,7 @@ def assemble(
         segments=segments,
         layout=layout,
         mrope_position_ids=None if mrope is None else pack_mrope_position_ids(mrope, gather, pad, pos),
-        extra={
-            k: v.reshape(-1).index_select(0, gather).masked_fill(pad, 0).view(1, -1) for k, v in extra.items()
-        },
+        extra={k: _take(v, gather, fill_pad, 0).view(1, -1) for k, v in extra.items()},
         source_shape=(B, S),
     )
 

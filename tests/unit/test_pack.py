@@ -255,3 +255,12 @@ def test_bridge_per_sample_rule_never_pads_less_than_ours():
     p = pack_bshd(batch, alignment=Alignment(cp_size=2, tp_size=4, sequence_parallel=True))
     assert p.total_tokens == 24
     assert p.total_tokens < 5 * 8
+
+
+def test_extra_tensors_follow_cp_sharding_and_moves_even_with_a_field_name():
+    batch = design_example_batch()
+    batch["padding_mask"] = torch.arange(12).view(3, 4)  # a user key that shares a PackedBatch field name
+    p = pack_bshd(batch, alignment=Alignment(cp_size=2))
+    s0 = p.shard_for_cp(2, 0).to("cpu")
+    assert s0.extra["padding_mask"].tolist() == [[0, 0, 4, 0, 8, 11]]
+    assert s0.padding_mask.tolist() == [[False, True, False, True, False, False]]
