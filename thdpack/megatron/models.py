@@ -84,3 +84,10 @@ def build_gpt_model(
 
         enable_packed_mrope(model)
     return model
+
+
+def unwrap_model(model):
+    """The model inside DDP / Float16Module-style wrappers (which keep it in ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -287,15 +287,6 @@ def _core_attention_pre_hook(config):
     return hook
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    # DDP, Float16Module and friends keep the model in `.module`.
-    while not hasattr(module, "position_embedding_type") and isinstance(
-        getattr(module, "module", None), nn.Module
-    ):
-        module = module.module
-    return module
-
-
 def enable_packed_mrope(model: nn.Module | Sequence[nn.Module]) -> int:
     """Make an MRoPE ``GPTModel`` (or its model chunks, possibly DDP/Float16Module-wrapped) correct on packed
     THD rows, with or without context parallelism. Idempotent; returns how many attention layers it hooked.
@@ -307,10 +298,12 @@ def enable_packed_mrope(model: nn.Module | Sequence[nn.Module]) -> int:
     """
     from megatron.core.transformer.attention import Attention
 
+    from .models import unwrap_model
+
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     hooked = 0
     for chunk in chunks:
-        gpt = _unwrap(chunk)
+        gpt = unwrap_model(chunk)
         if getattr(gpt, "position_embedding_type", None) != "mrope" or getattr(
             gpt.config, "multi_latent_attention", False
         ):

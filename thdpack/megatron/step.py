@@ -7,6 +7,7 @@ import functools
 import torch
 
 from .batch import BatchConfig, get_batch
+from .models import unwrap_model
 
 __all__ = ["forward_step", "loss_func", "make_forward_step", "reduce_loss_report"]
 
@@ -18,7 +19,7 @@ def forward_step(data_iterator, model, config: BatchConfig = BatchConfig()):  # 
     ``padding_mask`` and (for MRoPE models) ``[3, 1, T]`` position ids; otherwise the padded BSHD baseline.
     Bind ``config`` with :func:`make_forward_step` to get Megatron's two-argument signature.
     """
-    model_config = _unwrap(model).config
+    model_config = unwrap_model(model).config
     inputs = get_batch(data_iterator, model_config, config)
     output = model(
         inputs.tokens,
@@ -66,9 +67,3 @@ def reduce_loss_report(reports: list[dict[str, torch.Tensor]], key: str = "lm lo
     total = torch.stack([r[key] for r in reports]).sum(dim=0)
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
     return total[0] / total[1].clamp(min=1)
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
