@@ -55,6 +55,7 @@ RTOL, ATOL = 1e-5, 1e-6
 def model_config(
     tp=1, pp=1, cp=1, ep=1, sp=False, moe=False, mrope=False, dispatcher="alltoall", bucket=None
 ) -> TransformerConfig:
+    del bucket  # a layout key for get_batch's token bucket, not a model setting
     dtype = torch.bfloat16 if ARGS.device == "cuda" else torch.float32
     extra = dict(bf16=True) if dtype == torch.bfloat16 else {}
     if moe:
@@ -86,8 +87,8 @@ def model_config(
         variable_seq_lengths=pp > 1,  # PP: the token count differs between micro-batches
         # alltoall for dense models too: megatron-core 0.16.1 refuses variable_seq_lengths with "allgather"
         moe_token_dispatcher_type=dispatcher,
-        use_cpu_initialization=ARGS.device
-        == "cpu",  # on GPU, megatron keeps rotary tables where it built them
+        # On a GPU, megatron keeps the rotary tables on the device it built them on: build there.
+        use_cpu_initialization=ARGS.device == "cpu",
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bias_activation_fusion=False,
@@ -252,7 +253,7 @@ def init_parallel(**sizes):
     model_parallel_cuda_manual_seed(SEED)
 
 
-def reference(config, batches, scenario, moe, mrope):
+def reference(config, batches, moe, mrope):
     """Loss and grads of the reference model on the whole global batch, plus its full weights."""
     torch.manual_seed(SEED)
     model = build(config, mrope)
@@ -284,7 +285,7 @@ def reference(config, batches, scenario, moe, mrope):
     return full, float(loss_sum / count), grads
 
 
-def packed_run(config, layout, full, batches, moe, mrope, bucket):
+def packed_run(config, full, batches, moe, mrope, bucket):
     torch.manual_seed(SEED)
     model = build(config, mrope)
     load_full_weights(model, full)
@@ -375,9 +376,7 @@ def main():
     tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
     num_dp = world // (tp * pp * cp)
     batches = make_batches(num_dp, args.microbatches, args.scenario, mrope)
-    full, ref_loss, ref_grads = reference(
-        model_config(moe=moe, mrope=mrope), batches, args.scenario, moe, mrope
-    )
+    full, ref_loss, ref_grads = reference(model_config(moe=moe, mrope=mrope), batches, moe, mrope)
     ps.destroy_model_parallel()
 
     init_parallel(
@@ -386,9 +385,9 @@ def main():
         context_parallel_size=cp,
         expert_model_parallel_size=layout.get("ep", 1),
     )
-    config = model_config(**{k: v for k, v in layout.items()})
+    config = model_config(**layout)
     loss, grads, seen, router_counts, counts = packed_run(
-        config, args.layout, full, batches, moe, mrope, layout.get("bucket")
+        config, full, batches, moe, mrope, layout.get("bucket")
     )
 
     if args.scenario == "all_masked_cp_rank":
