@@ -58,3 +58,12 @@ def test_batch_is_right_padded_with_shifted_labels():
 @pytest.mark.parametrize("cp, multiple", [(1, 1), (2, 4), (4, 8)])
 def test_bridge_pads_each_sample_to_twice_cp(cp, multiple):
     assert bench.bridge_pad_multiple(cp) == multiple
+
+
+def test_timing_interleaves_the_packers_call_by_call():
+    calls = []
+    times = bench.time_ms(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1, cuda=False
+    )
+    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed rounds, A B A B ...
+    assert [len(t) for t in times.values()] == [3, 3]
