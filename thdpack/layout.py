@@ -114,16 +114,18 @@ class PackLayout:
         """The layout of segments with these physical and attention lengths (int64 host ``[N]``, ``[M]``,
         ``[M]``; the real samples first)."""
         # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
-        padded, attn = padded_lengths.numpy(), attn_lengths.numpy()
-        cu_padded = _cumsum0(padded)
+        padded = padded_lengths.numpy()
+        cu_padded = cumsum0(padded, np.int32)
         # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
-        cu = cu_padded if np.array_equal(attn, padded) else _cumsum0(attn)
+        same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
+        cu = cu_padded if same else cumsum0(attn_lengths.numpy(), np.int32)
+        cu_padded_t = torch.from_numpy(cu_padded)
         return cls(
             lengths=lengths,
             padded_lengths=padded_lengths,
             attn_lengths=attn_lengths,
-            cu_seqlens=cu,
-            cu_seqlens_padded=cu_padded,
+            cu_seqlens=cu_padded_t if same else torch.from_numpy(cu),
+            cu_seqlens_padded=cu_padded_t,
             max_seqlen=int(padded.max()),
             total_tokens=int(cu_padded[-1]),
             num_real_tokens=int(lengths.numpy().sum()),
@@ -154,21 +156,27 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
                 "bucket or send fewer tokens per micro-batch"
             )
         total = a.pad_total_to
-    attn = padded if a.mode == "fold" else real
+    # Attention spans the physical length unless distinct mode pads inside samples (CP); the trailing pad
+    # segment attends to itself in full.
+    attn_is_physical = a.mode == "fold" or m == 1
+    attn = real
     if total > body:
-        padded, attn = np.append(padded, total - body), np.append(attn, total - body)
-    as_tensor = torch.from_numpy
-    return PackLayout.from_lengths(as_tensor(real), as_tensor(padded), as_tensor(attn))
+        padded = np.append(padded, total - body)
+        attn = padded if attn_is_physical else np.append(real, total - body)
+    padded_t = torch.from_numpy(padded)
+    attn_t = padded_t if attn_is_physical else torch.from_numpy(attn)
+    real_t = lengths if lengths.dtype == torch.int64 else torch.from_numpy(real)
+    return PackLayout.from_lengths(real_t, padded_t, attn_t)
 
 
-def _cumsum0(x: np.ndarray) -> torch.Tensor:
-    out = np.zeros(x.size + 1, dtype=np.int32)
-    np.cumsum(x, out=out[1:])
-    return torch.from_numpy(out)
-
-
-def cumsum0(x: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """``[0, x0, x0 + x1, ...]``: boundaries from lengths."""
+def cumsum0(x, dtype=torch.int64):
+    """``[0, x0, x0 + x1, ...]``: boundaries from lengths, for a numpy array (numpy out, ``dtype`` a numpy
+    or torch dtype) or a tensor on any device (a tensor out)."""
+    if isinstance(x, np.ndarray):
+        dtype = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else dtype
+        out = np.zeros(x.size + 1, dtype=dtype)
+        np.cumsum(x, out=out[1:])
+        return out
     out = torch.zeros(x.numel() + 1, dtype=dtype, device=x.device)
     out[1:] = torch.cumsum(x, dim=0)
     return out

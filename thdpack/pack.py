@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -263,15 +264,15 @@ def assemble(
     """
     B, S = tokens.shape
     device = tokens.device
-    gather, label_index, no_target, pad, pos = _token_plan(segments, layout, S, labels is None, device)
-    fill_pad = pad if layout.total_tokens > layout.num_real_tokens else None  # no pad: nothing to overwrite
-    packed_tokens = _take(tokens, gather, fill_pad, pad_token_id)
-    packed_labels = _take(tokens if labels is None else labels, label_index, no_target, ignore_index).long()
+    plan = _token_plan(segments, layout, S, labels is None, device)
+    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
+    source_labels = tokens if labels is None else labels
+    packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
     no_count = packed_labels == ignore_index
     if loss_mask is None:
         packed_loss_mask = (~no_count).float()
     else:
-        packed_loss_mask = _take(loss_mask, gather, no_count, 0).float()
+        packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
 
     cu_padded = _to_device(layout.cu_seqlens_padded, device, True)
     cu = (
@@ -283,15 +284,17 @@ def assemble(
         tokens=packed_tokens.view(1, -1),
         labels=packed_labels.view(1, -1),
         loss_mask=packed_loss_mask.view(1, -1),
-        position_ids=pos.view(1, -1),
+        position_ids=plan.position_ids.view(1, -1),
         cu_seqlens=cu,
         cu_seqlens_padded=cu_padded,
         max_seqlen=layout.max_seqlen,
-        padding_mask=pad.view(1, -1),
+        padding_mask=plan.padding_mask.view(1, -1),
         segments=segments,
         layout=layout,
-        mrope_position_ids=None if mrope is None else pack_mrope_position_ids(mrope, gather, pad, pos),
-        extra={k: _take(v, gather, fill_pad, 0).view(1, -1) for k, v in extra.items()},
+        mrope_position_ids=None
+        if mrope is None
+        else pack_mrope_position_ids(mrope, plan.gather, plan.padding_mask, plan.position_ids),
+        extra={k: _take(v, plan.gather, plan.pad_index, 0).view(1, -1) for k, v in extra.items()},
         source_shape=(B, S),
     )
 
@@ -326,90 +329,109 @@ def unpack_thd(x: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> to
     return out.view(B, S, *x.shape[1:])
 
 
+class _TokenPlan(NamedTuple):
+    """Where every position of the packed row comes from, ``[T]`` tensors and two short index lists.
+
+    ``gather``: flat ``B * S`` source of each position (0 on pad). ``label_index``: flat source of its label
+    (the same position in ``labels``, or the next token when labels are derived; in bounds everywhere).
+    ``no_target``: positions whose label must be ``ignore_index`` (pad, and sample ends the labels would
+    cross or, when derived, every sample's last token). ``pad_index``: the pad positions. ``padding_mask``:
+    True on pad. ``position_ids``: position within the segment.
+    """
+
+    gather: torch.Tensor
+    label_index: torch.Tensor
+    no_target: torch.Tensor
+    pad_index: torch.Tensor
+    padding_mask: torch.Tensor
+    position_ids: torch.Tensor
+
+
 def _token_plan(
     segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """Per-position index arrays of the packed row, ``[T]`` each, on ``device``.
+) -> _TokenPlan:
+    """The :class:`_TokenPlan` of ``layout`` on ``device``.
 
-    Returns ``(gather, label_index, no_target, padding_mask, position_ids)``: the flat ``B * S`` source of each
-    position (0 on pad), the flat source of its target (the same position in ``labels``, or the next token when
-    labels are derived), where the label must be ``ignore_index``, where pad is, and the position in the segment.
-
-    They are expanded from a per-segment table where the batch lives: with numpy on the host (its repeat and
-    take are several times faster than torch's CPU kernels at these sizes, and per-call overhead is lower),
-    with torch on a GPU after one small copy of the table, so no ``[T]`` array crosses to the device.
+    The per-segment table and the short index lists are computed on the host. The ``[T]`` arrays are
+    expanded where the batch lives: with numpy on the host (its repeat and take are several times faster
+    than torch's CPU kernels at these sizes, and per-call overhead is lower), with torch on a GPU after one
+    small copy, so no ``[T]`` array crosses to the device. Pad is written by position (a few per sample
+    under CP, one run for the trailing segment), never by comparing all ``T`` positions.
     """
-    n, m = layout.num_samples, layout.padded_lengths.numel()
-    start = layout.cu_seqlens_padded[:-1].numpy().astype(np.int64)
+    n, T = layout.num_samples, layout.total_tokens
+    padded_length = layout.padded_lengths.numpy()
+    seg_start = layout.cu_seqlens_padded.numpy()[:-1].astype(np.int64)
     row, first, length = segments.row.numpy(), segments.start.numpy(), segments.length.numpy()
-    table = np.zeros((4, m), dtype=np.int64)
-    table[0] = layout.padded_lengths.numpy()
-    table[1] = start
-    table[2] = start
-    table[2, :n] += length  # end of the real tokens (a pad-only segment ends where it starts)
-    table[3, :n] = row * seq_len + first - start[:n]  # flat source minus packed position
-    # A sample followed by another in its row: its last token's given label is that sample's first token.
-    crossing = (start[: n - 1] + length[:-1] - 1)[row[1:] == row[:-1]]
+    num_pad = T - layout.num_real_tokens
+    if num_pad:
+        real_end = seg_start.copy()
+        real_end[:n] += length
+        shift = np.zeros_like(seg_start)
+        shift[:n] = row * seq_len + first - seg_start[:n]  # flat source minus packed position
+        pad_count = seg_start + padded_length - real_end
+        pad_index = np.repeat(real_end - cumsum0(pad_count)[:-1], pad_count) + np.arange(num_pad)
+    else:  # every segment is a sample and all of it real
+        real_end = seg_start + length
+        shift = row * seq_len + first - seg_start
+        pad_index = np.zeros(0, dtype=np.int64)
+    # Derived labels: every sample's last token has no target. Given labels: a sample followed by another in
+    # its row has that sample's first token as its last token's label.
+    last = real_end[:n] - 1
+    sample_ends = last if derive_labels else last[:-1][row[1:] == row[:-1]]
+    no_target = np.concatenate([sample_ends, pad_index]) if num_pad else sample_ends
     expand = _expand_on_host if device.type == "cpu" else _expand_on_device
-    return expand(table, crossing, layout.total_tokens, derive_labels, device)
+    return expand(padded_length, seg_start, shift, no_target, pad_index, T, derive_labels, device)
 
 
-def _expand_on_host(table: np.ndarray, crossing: np.ndarray, T: int, derive_labels: bool, device) -> tuple:
-    padded_length, seg_start, real_end, shift = table
+def _expand_on_host(
+    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels, device
+) -> _TokenPlan:
     index = np.arange(T)
     gather = np.repeat(shift, padded_length)
     gather += index
-    if (real_end == seg_start + padded_length).all():
-        # No pad anywhere (no CP, no trailing segment): every position is real, and the positions without a
-        # target are a handful of sample ends, set directly instead of comparing every position.
-        pad = np.zeros(T, dtype=np.bool_)
-        no_target = pad.copy()
-        no_target[(real_end - 1) if derive_labels else crossing] = True
-    else:
-        real_end = np.repeat(real_end, padded_length)
-        pad = index >= real_end
-        np.putmask(gather, pad, 0)
-        no_target = index >= real_end - 1 if derive_labels else pad.copy()
-        if not derive_labels:
-            no_target[crossing] = True
+    pad = np.zeros(T, dtype=np.bool_)
+    if pad_index.size:
+        gather[pad_index] = 0
+        pad[pad_index] = True
     if derive_labels:
         label_index = gather + 1
-        np.putmask(label_index, no_target, 0)
+        label_index[no_target] = 0
     else:
         label_index = gather
     index -= np.repeat(seg_start, padded_length)
-    return tuple(torch.from_numpy(a) for a in (gather, label_index, no_target, pad, index))
+    as_tensor = torch.from_numpy
+    return _TokenPlan(*(as_tensor(a) for a in (gather, label_index, no_target, pad_index, pad, index)))
 
 
-def _expand_on_device(table: np.ndarray, crossing: np.ndarray, T: int, derive_labels: bool, device) -> tuple:
-    m = table.shape[1]
-    buf = _to_device(torch.from_numpy(np.concatenate([table.reshape(-1), crossing])), device, True)
-    table, crossing = buf[: 4 * m].view(4, m), buf[4 * m :]
-    seg = torch.repeat_interleave(torch.arange(m, device=device), table[0], output_size=T)
-    seg_start, real_end, shift = (row.index_select(0, seg) for row in table[1:])
+def _expand_on_device(
+    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels, device
+) -> _TokenPlan:
+    m, k = padded_length.size, no_target.size
+    buf = np.concatenate([padded_length, seg_start, shift, no_target, pad_index])
+    buf = _to_device(torch.from_numpy(buf), device, True)
+    padded_length, table = buf[:m], buf[m : 3 * m].view(2, m)
+    no_target, pad_index = buf[3 * m : 3 * m + k], buf[3 * m + k :]
+    seg_start, shift = torch.repeat_interleave(table, padded_length, dim=1, output_size=T)
     index = torch.arange(T, device=device)
-    pad = index >= real_end
-    gather = shift.add_(index).masked_fill_(pad, 0)
-    if derive_labels:
-        no_target = index >= real_end - 1
-        label_index = (gather + 1).masked_fill_(no_target, 0)
-    else:
-        no_target = pad.index_fill(0, crossing, True)
-        label_index = gather
-    return gather, label_index, no_target, pad, index.sub_(seg_start)
+    gather = shift.add_(index).index_fill_(0, pad_index, 0)
+    label_index = (gather + 1).index_fill_(0, no_target, 0) if derive_labels else gather
+    pad = torch.zeros(T, dtype=torch.bool, device=device).index_fill_(0, pad_index, True)
+    return _TokenPlan(gather, label_index, no_target, pad_index, pad, index.sub_(seg_start))
 
 
-def _take(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor | None, value: float) -> torch.Tensor:
-    """``x.reshape(-1)[index]`` with ``value`` where ``fill`` (None: nowhere); numpy on the host (see
-    :func:`_token_plan`)."""
+def _take(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor, value: float) -> torch.Tensor:
+    """``x.reshape(-1)[index]`` with ``value`` written at ``fill`` (positions, or a bool mask over the
+    result); numpy on the host (see :func:`_token_plan`)."""
     flat = x.reshape(-1)
     if flat.device.type == "cpu" and flat.dtype in _NUMPY_DTYPES:
         out = np.take(flat.numpy(), index.numpy())
-        if fill is not None:
+        if fill.dtype == torch.bool:
             np.putmask(out, fill.numpy(), value)
+        elif fill.numel():
+            out[fill.numpy()] = value
         return torch.from_numpy(out)
     out = flat.index_select(0, index)
-    return out if fill is None else out.masked_fill_(fill, value)
+    return out.masked_fill_(fill, value) if fill.dtype == torch.bool else out.index_fill_(0, fill, value)
 
 
 _NUMPY_DTYPES = {

@@ -199,29 +199,26 @@ def _check_integral_nonnegative(name: str, m: torch.Tensor) -> None:
 
 def _row_runs(
     mask: torch.Tensor, position_ids: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """``(first column, length, no_restart)`` for a 0/1 mask: each row's real run (int64 numpy ``[B]``) and
-    whether ``position_ids`` (if given) are 0 nowhere but in column 0 (Megatron's ``arange`` ids: then the mask
-    alone decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
+    whether ``position_ids`` (if given) surely do not restart at 0 inside a real run (then the mask alone
+    decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
     and on holes.
     """
-    if mask.device.type == "cpu":
-        stats = _row_stats_host(mask, position_ids)
-    else:
-        stats = _row_stats_device(mask, position_ids)
-    first, length, runs, restarts, negative, above_one, fractional = stats
+    row_stats = _row_stats_host if mask.device.type == "cpu" else _row_stats_device
+    first, length, holes, restarts, negative, above_one, fractional = row_stats(mask, position_ids)
     if negative or fractional:
         _check_integral_nonnegative("attention_mask", _host(mask))
     if above_one:
         return None
-    if runs != np.count_nonzero(length):
+    if holes:
         # Error path only: find the first row with a hole (the rows are copied to the host one by one).
         b, hole = next((b, h) for b in range(mask.shape[0]) if (h := _first_hole(_host(mask[b]))) is not None)
         raise ValueError(
             f"row {b} of attention_mask has a hole at column {hole}: a 0/1 mask must be contiguous (use segment "
             "ids 1,2,3 for several samples per row)"
         )
-    return first, length, restarts == 0
+    return first, length, not restarts
 
 
 def _first_hole(row: torch.Tensor) -> int | None:
@@ -231,31 +228,67 @@ def _first_hole(row: torch.Tensor) -> int | None:
     return int(cols[int(gaps[0])]) + 1 if gaps.numel() else None
 
 
+# Both statistics functions return ``(first, length, holes, restarts, negative, above_one, fractional)``:
+# each row's first real column and real-token count (int64 numpy ``[B]``; None when a flag says the mask is
+# not 0/1), whether some row's real tokens are not contiguous, whether the position ids may restart at 0
+# inside a real run, and whether the mask has negative, > 1 or fractional values.
+
+
 def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # numpy on the host: its argmax over a bool row stops at the first True, and its reductions over narrow
-    # dtypes are several times faster than the equivalent torch CPU kernels at these sizes.
-    a = (mask.float() if mask.dtype == torch.bfloat16 else mask).numpy()
-    if a.dtype == np.bool_:
-        real, outside = a, False
-    elif a.dtype.kind in "iu":
-        outside = bool((a.view(f"u{a.itemsize}") > 1).any())  # one pass: as unsigned, negatives are huge
-        real = a.astype(np.bool_)
-    else:
-        real = a != 0
-        outside = bool((real & (a != 1)).any())
+    # The passes over the full [B, S] mask are torch reductions (vectorized, on every intra-op thread); what
+    # follows works on the bool copy with numpy, whose argmin/argmax stop at the first hit in a row.
+    B, S = mask.shape
     negative = above_one = fractional = False
-    if outside:  # segment ids or bad values: tell them apart
-        negative, above_one = bool(a.min() < 0), bool(a.max() > 1)
-        fractional = a.dtype.kind == "f" and bool((a != np.round(a)).any())
-    first = real.argmax(axis=1).astype(np.int64)
-    length = real.view(np.uint8).sum(axis=1, dtype=np.int32).astype(np.int64)
-    runs = int(np.count_nonzero(real[:, 1:] > real[:, :-1])) + int(np.count_nonzero(real[:, 0]))
-    restarts = 0
-    if position_ids is not None:
-        later = _host(position_ids)[:, 1:].numpy()
-        if later.size and later.min() <= 0:  # a min-reduction is cheaper than counting zeros; rarely taken
-            restarts = int(np.count_nonzero(later == 0))
-    return first, length, runs, restarts, negative, above_one, fractional
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        real = mask.bool()
+    elif not mask.is_floating_point():
+        lo, hi = (int(v) for v in torch.aminmax(mask))
+        negative, above_one = lo < 0, hi > 1
+        real = mask.bool()
+    else:
+        real = mask != 0
+        if bool((real & (mask != 1)).any()):  # segment ids or bad values: tell them apart
+            lo, hi = (float(v) for v in torch.aminmax(mask))
+            negative, above_one = lo < 0, hi > 1
+            fractional = bool((mask != mask.round()).any()) or not bool(torch.isfinite(mask).all())
+    if negative or above_one or fractional:
+        return None, None, False, False, negative, above_one, fractional
+    # A valid 0/1 mask: its row sums count the real tokens.
+    length = (real if mask.dtype == torch.bool or mask.is_floating_point() else mask).sum(
+        1, dtype=torch.int64
+    )
+    length = length.numpy()
+    r = real.numpy()
+    holes = False
+    if S and r[:, 0].all():
+        # Every row starts real (right padding, the common case): a row is contiguous iff its first pad
+        # column is its length, or it has no pad.
+        first = np.zeros(B, dtype=np.int64)
+        holes = not ((r.argmin(axis=1) == length) | (length == S)).all()
+    elif S:
+        first = r.argmax(axis=1)
+        # A row starting real as above; a row ending real iff it starts at S - length; any other non-empty
+        # row is checked by counting its runs.
+        ends_real = r[:, -1]
+        ok = np.where(
+            r[:, 0], (r.argmin(axis=1) == length) | (length == S), ends_real & (first + length == S)
+        )
+        ok |= length == 0
+        if not ok.all():
+            rest = r[~ok]
+            runs = np.count_nonzero(rest[:, 1:] > rest[:, :-1], axis=1) + rest[:, 0]
+            holes = bool((runs > 1).any())
+    else:
+        first = length
+    restarts = False
+    if position_ids is not None and S > 1:
+        # Only a 0 inside a real run (not at its first column) splits a sample: look at the columns some run
+        # covers beyond its first, and count zeros there (a pad column may make this conservative).
+        lo_col, hi_col = int(first.min()) + 1, int((first + length).max())
+        if hi_col > lo_col:
+            ids = _host(position_ids[:, lo_col:hi_col])
+            restarts = int(torch.count_nonzero(ids)) < ids.numel()
+    return first, length, holes, restarts, False, False, False
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
@@ -270,12 +303,17 @@ def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> 
         fractional = (mask != mask.trunc()).any().long() if mask.is_floating_point() else zero
         real = mask != 0
     u = real.view(torch.uint8)
-    runs = (u[:, 1:] > u[:, :-1]).sum() + u[:, 0].sum()
-    restarts = zero if position_ids is None else (position_ids[:, 1:] == 0).sum().to(mask.device)
-    scalars = torch.stack([runs, restarts, negative, above_one, fractional])
+    holes = ((u[:, 1:] > u[:, :-1]).sum(1) + u[:, 0] > 1).any().long()
+    if position_ids is None:
+        restarts = zero
+    else:
+        restarts = ((position_ids[:, 1:] == 0) & real[:, 1:] & real[:, :-1]).any().long().to(mask.device)
+    scalars = torch.stack([holes, restarts, negative, above_one, fractional])
     table = torch.cat([u.argmax(dim=1), u.sum(dim=1), scalars]).cpu()
-    runs, restarts, negative, above_one, fractional = table[2 * B :].tolist()
-    return table[:B].numpy(), table[B : 2 * B].numpy(), runs, restarts, negative, above_one, fractional
+    holes, restarts, negative, above_one, fractional = (bool(v) for v in table[2 * B :].tolist())
+    if negative or above_one or fractional:
+        return None, None, False, False, negative, above_one, fractional
+    return table[:B].numpy(), table[B : 2 * B].numpy(), holes, restarts, False, False, False
 
 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

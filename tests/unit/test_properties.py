@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -172,6 +173,45 @@ def test_every_mask_form_finds_the_same_samples(data):
         assert torch.equal(form.length, segs.length)
 
 
+def reference_runs(row: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of non-zero values in a row, by a plain loop."""
+    runs = []
+    for j, v in enumerate(row):
+        if v and (j == 0 or not row[j - 1]):
+            runs.append([j, 0])
+        if v:
+            runs[-1][1] += 1
+    return [tuple(r) for r in runs]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=4).filter(
+        lambda rows: len({len(r) for r in rows}) == 1
+    ),
+    st.sampled_from([torch.bool, torch.int64, torch.int32, torch.uint8, torch.float32, torch.bfloat16]),
+    st.booleans(),
+)
+def test_01_mask_segments_or_hole_error_match_a_plain_loop(rows, dtype, with_position_ids):
+    """Any 0/1 bit pattern: one sample per row's run, or a hole error naming the first row with two runs."""
+    mask = torch.tensor(rows).to(dtype)
+    pos = torch.arange(mask.shape[1]).expand_as(mask).contiguous() if with_position_ids else None
+    runs = [reference_runs(r) for r in rows]
+    holed = [b for b, r in enumerate(runs) if len(r) > 1]
+    if holed:
+        gap = runs[holed[0]][0][0] + runs[holed[0]][0][1]
+        with pytest.raises(ValueError, match=f"row {holed[0]} of attention_mask has a hole at column {gap}:"):
+            find_segments(mask, position_ids=pos)
+    elif not any(runs):
+        with pytest.raises(ValueError, match="no real token"):
+            find_segments(mask, position_ids=pos)
+    else:
+        segments = find_segments(mask, position_ids=pos)
+        expected = [(b, *r[0]) for b, r in enumerate(runs) if r]
+        got = list(zip(segments.row.tolist(), segments.start.tolist(), segments.length.tolist(), strict=True))
+        assert got == expected
+
+
 # ---------------------------------------------------------------- attention parity
 
 
@@ -242,9 +282,9 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
     captured = {}
     original = pack_module._expand_on_host
 
-    def spy(table, crossing, T, derive, device):
-        captured["args"] = (table, crossing, T, derive)
-        return original(table, crossing, T, derive, device)
+    def spy(*args):
+        captured["args"] = args[:-1]
+        return original(*args)
 
     pack_module._expand_on_host = spy
     try:
@@ -257,14 +297,26 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
 
 
 @settings(max_examples=60, deadline=None)
-@given(padded_batches(), st.sampled_from([torch.bool, torch.int64, torch.float32]), st.booleans())
-def test_device_mask_statistics_equal_host_statistics(data, dtype, with_position_ids):
+@given(
+    padded_batches(),
+    st.sampled_from([torch.bool, torch.int64, torch.float32]),
+    st.booleans(),
+    st.sampled_from(["0/1", "segment ids", "negated"]),
+)
+def test_device_mask_statistics_equal_host_statistics(data, dtype, with_position_ids, values):
     from thdpack.segments import _row_stats_device, _row_stats_host
 
     ids, _, _ = data
-    mask = (ids != 0).to(dtype)
+    mask = {"0/1": ids != 0, "segment ids": ids, "negated": -ids}[values]
+    mask = mask.to(dtype) if dtype != torch.bool or values == "0/1" else (ids != 0)
     pos = torch.arange(ids.shape[1]).expand_as(ids) % 5 if with_position_ids else None
     host = _row_stats_host(mask, pos)
     device = _row_stats_device(mask, pos)
+    if host[0] is None:  # not a 0/1 mask: both say why
+        assert device[0] is None and device[1] is None and host[4:] == device[4:] and any(host[4:])
+        return
     assert (host[0] == device[0]).all() and (host[1] == device[1]).all()
-    assert list(host[2:]) == [int(v) for v in device[2:]]
+    # holes and the value flags agree; the host's restart flag may be conservative (a zero id on pad inside
+    # the checked columns), the device's is exact: it may only say "restart" where the host does too.
+    assert host[2] == device[2] and host[4:] == device[4:]
+    assert host[3] or not device[3]
