@@ -175,7 +175,7 @@ def cumsum0(x, dtype=torch.int64):
     if isinstance(x, np.ndarray):
         dtype = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else dtype
         out = np.zeros(x.size + 1, dtype=dtype)
-        np.cumsum(x, out=out[1:])
+        out[1:] = x.cumsum()
         return out
     out = torch.zeros(x.numel() + 1, dtype=dtype, device=x.device)
     out[1:] = torch.cumsum(x, dim=0)

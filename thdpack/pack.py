@@ -268,11 +268,12 @@ def assemble(
     packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     source_labels = tokens if labels is None else labels
     packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
-    no_count = packed_labels == ignore_index
+    no_count = (packed_labels.numpy() if device.type == "cpu" else packed_labels) == ignore_index
     if loss_mask is None:
-        packed_loss_mask = (~no_count).float()
+        packed_loss_mask = torch.as_tensor(~no_count).float()
     else:
         packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
+    padding_mask, position_ids = (torch.as_tensor(a) for a in (plan.padding_mask, plan.position_ids))
 
     cu_padded = _to_device(layout.cu_seqlens_padded, device, True)
     cu = (
@@ -284,16 +285,16 @@ def assemble(
         tokens=packed_tokens.view(1, -1),
         labels=packed_labels.view(1, -1),
         loss_mask=packed_loss_mask.view(1, -1),
-        position_ids=plan.position_ids.view(1, -1),
+        position_ids=position_ids.view(1, -1),
         cu_seqlens=cu,
         cu_seqlens_padded=cu_padded,
         max_seqlen=layout.max_seqlen,
-        padding_mask=plan.padding_mask.view(1, -1),
+        padding_mask=padding_mask.view(1, -1),
         segments=segments,
         layout=layout,
         mrope_position_ids=None
         if mrope is None
-        else pack_mrope_position_ids(mrope, plan.gather, plan.padding_mask, plan.position_ids),
+        else pack_mrope_position_ids(mrope, torch.as_tensor(plan.gather), padding_mask, position_ids),
         extra={k: _take(v, plan.gather, plan.pad_index, 0).view(1, -1) for k, v in extra.items()},
         source_shape=(B, S),
     )
@@ -330,7 +331,8 @@ def unpack_thd(x: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> to
 
 
 class _TokenPlan(NamedTuple):
-    """Where every position of the packed row comes from, ``[T]`` tensors and two short index lists.
+    """Where every position of the packed row comes from: ``[T]`` arrays and two short index lists, numpy
+    arrays on the host and tensors on a GPU.
 
     ``gather``: flat ``B * S`` source of each position (0 on pad). ``label_index``: flat source of its label
     (the same position in ``labels``, or the next token when labels are derived; in bounds everywhere).
@@ -399,8 +401,7 @@ def _expand_on_host(
     else:
         label_index = gather
     index -= np.repeat(seg_start, padded_length)
-    as_tensor = torch.from_numpy
-    return _TokenPlan(*(as_tensor(a) for a in (gather, label_index, no_target, pad_index, pad, index)))
+    return _TokenPlan(gather, label_index, no_target, pad_index, pad, index)
 
 
 def _expand_on_device(
@@ -419,16 +420,19 @@ def _expand_on_device(
     return _TokenPlan(gather, label_index, no_target, pad_index, pad, index.sub_(seg_start))
 
 
-def _take(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor, value: float) -> torch.Tensor:
+def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     """``x.reshape(-1)[index]`` with ``value`` written at ``fill`` (positions, or a bool mask over the
-    result); numpy on the host (see :func:`_token_plan`)."""
+    result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see :func:`_token_plan`);
+    on a GPU they are tensors."""
     flat = x.reshape(-1)
-    if flat.device.type == "cpu" and flat.dtype in _NUMPY_DTYPES:
-        out = np.take(flat.numpy(), index.numpy())
-        if fill.dtype == torch.bool:
-            np.putmask(out, fill.numpy(), value)
-        elif fill.numel():
-            out[fill.numpy()] = value
+    if isinstance(index, np.ndarray):
+        if flat.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
+            return _take(flat, torch.from_numpy(index), torch.from_numpy(fill), value)
+        out = np.take(flat.numpy(), index)
+        if fill.dtype == np.bool_:
+            np.putmask(out, fill, value)
+        elif fill.size:
+            out[fill] = value
         return torch.from_numpy(out)
     out = flat.index_select(0, index)
     return out.masked_fill_(fill, value) if fill.dtype == torch.bool else out.index_fill_(0, fill, value)

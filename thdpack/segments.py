@@ -132,15 +132,17 @@ def find_segments(
                 position_ids = None
             if runs is not None and position_ids is None:
                 first, length, _ = runs
-                keep = np.flatnonzero(length)
-                if keep.size == 0:
-                    raise ValueError(
-                        f"the batch of shape {list(attention_mask.shape)} has no real token: every row is pad"
-                    )
+                if length.size and length.all():
+                    keep = np.arange(length.size)
+                else:
+                    keep = np.flatnonzero(length)
+                    if keep.size == 0:
+                        raise ValueError(
+                            f"the batch of shape {list(attention_mask.shape)} has no real token: every row is pad"
+                        )
+                    first, length = first[keep], length[keep]
                 as_tensor = torch.from_numpy
-                return Segments(
-                    row=as_tensor(keep), start=as_tensor(first[keep]), length=as_tensor(length[keep])
-                )
+                return Segments(row=as_tensor(keep), start=as_tensor(first), length=as_tensor(length))
             if runs is None:  # segment ids
                 ids = _host(attention_mask)
                 real, begins = _from_segment_ids(ids, ids != 0)
@@ -254,10 +256,8 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
     # A valid 0/1 mask: its row sums count the real tokens.
-    length = (real if mask.dtype == torch.bool or mask.is_floating_point() else mask).sum(
-        1, dtype=torch.int64
-    )
-    length = length.numpy()
+    integer = not (mask.dtype == torch.bool or mask.is_floating_point())
+    length = (mask if integer else real).sum(1, dtype=torch.int64).numpy()
     r = real.numpy()
     holes = False
     if S and r[:, 0].all():

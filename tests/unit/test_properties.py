@@ -292,8 +292,8 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
     finally:
         pack_module._expand_on_host = original
     device = pack_module._expand_on_device(*captured["args"], torch.device("cpu"))
-    for h, d in zip(host, device, strict=True):
-        assert torch.equal(h, d)
+    for h, d in zip(host, device, strict=True):  # numpy arrays on the host, tensors on a device
+        assert torch.equal(torch.as_tensor(h), d)
 
 
 @settings(max_examples=60, deadline=None)

@@ -27,6 +27,18 @@ def test_segments_are_int64_host_tensors():
         assert t.dtype == torch.int64 and t.device.type == "cpu"
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float32])
+def test_strided_mask_gives_the_same_samples(dtype):
+    # A view with steps and a transposed view: the mask statistics must not assume a contiguous tensor.
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]).to(dtype)
+    wide = torch.zeros(3, 12, dtype=dtype)
+    wide[:, ::2] = mask
+    expected = as_tuples(find_segments(mask))
+    assert expected == [(0, 0, 3), (1, 2, 4), (2, 0, 6)]
+    assert as_tuples(find_segments(wide[:, ::2])) == expected
+    assert as_tuples(find_segments(mask.t().contiguous().t())) == expected
+
+
 def test_all_pad_row_is_skipped():
     mask = torch.tensor([[0, 0, 0], [1, 1, 0]])
     assert as_tuples(find_segments(mask)) == [(1, 0, 2)]
