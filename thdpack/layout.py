@@ -9,6 +9,7 @@ logical and physical arrays differ (which would cost TE its FlashAttention backe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,12 +67,12 @@ class Alignment:
                 f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8})"
             )
 
-    @property
+    @functools.cached_property
     def sample_multiple(self) -> int:
         """Every physical sample length is a multiple of this (``2 * cp_size`` under CP, else 1)."""
         return 2 * self.cp_size if self.cp_size > 1 else 1
 
-    @property
+    @functools.cached_property
     def total_multiple(self) -> int:
         """The packed row's total length is a multiple of this."""
         tokens_per_gemm_rank = self.cp_size * (self.tp_size if self.sequence_parallel else 1)

@@ -264,7 +264,11 @@ def assemble(
     """
     B, S = tokens.shape
     device = tokens.device
-    plan = _token_plan(segments, layout, S, labels is None, device)
+    table = _segment_table(segments, layout, S, derive_labels=labels is None)
+    if device.type == "cpu":
+        plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
+    else:
+        plan, cu_padded, cu = _expand_on_device(table, layout, device)
     packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     source_labels = tokens if labels is None else labels
     packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
@@ -273,14 +277,7 @@ def assemble(
         packed_loss_mask = torch.as_tensor(~no_count).float()
     else:
         packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-    padding_mask, position_ids = (torch.as_tensor(a) for a in (plan.padding_mask, plan.position_ids))
-
-    cu_padded = _to_device(layout.cu_seqlens_padded, device, True)
-    cu = (
-        cu_padded
-        if layout.cu_seqlens is layout.cu_seqlens_padded
-        else _to_device(layout.cu_seqlens, device, True)
-    )
+    padding_mask, position_ids = torch.as_tensor(plan.padding_mask), torch.as_tensor(plan.position_ids)
     return PackedBatch(
         tokens=packed_tokens.view(1, -1),
         labels=packed_labels.view(1, -1),
@@ -349,16 +346,30 @@ class _TokenPlan(NamedTuple):
     position_ids: torch.Tensor
 
 
-def _token_plan(
-    segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool, device: torch.device
-) -> _TokenPlan:
-    """The :class:`_TokenPlan` of ``layout`` on ``device``.
+class _SegmentTable(NamedTuple):
+    """The packed row per segment, host numpy int64: ``padded_length``, ``seg_start`` (packed position of
+    its first token) and ``shift`` (flat ``B * S`` source minus packed position) ``[M]``; and the short
+    position lists ``no_target`` and ``pad_index`` of :class:`_TokenPlan`."""
 
-    The per-segment table and the short index lists are computed on the host. The ``[T]`` arrays are
-    expanded where the batch lives: with numpy on the host (its repeat and take are several times faster
-    than torch's CPU kernels at these sizes, and per-call overhead is lower), with torch on a GPU after one
-    small copy, so no ``[T]`` array crosses to the device. Pad is written by position (a few per sample
-    under CP, one run for the trailing segment), never by comparing all ``T`` positions.
+    padded_length: np.ndarray
+    seg_start: np.ndarray
+    shift: np.ndarray
+    no_target: np.ndarray
+    pad_index: np.ndarray
+    total_tokens: int
+    derive_labels: bool
+
+
+def _segment_table(
+    segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool
+) -> _SegmentTable:
+    """Everything :class:`_TokenPlan` needs, per segment, computed on the host (``[M]`` and short lists).
+
+    The ``[T]`` arrays are then expanded where the batch lives: with numpy on the host (its repeat and take
+    are several times faster than torch's CPU kernels at these sizes, and per-call overhead is lower), with
+    torch on a GPU after one small copy, so no ``[T]`` array crosses to the device. Pad is written by
+    position (a few per sample under CP, one run for the trailing segment), never by comparing all ``T``
+    positions.
     """
     n, T = layout.num_samples, layout.total_tokens
     padded_length = layout.padded_lengths.numpy()
@@ -369,7 +380,7 @@ def _token_plan(
         real_end = seg_start.copy()
         real_end[:n] += length
         shift = np.zeros_like(seg_start)
-        shift[:n] = row * seq_len + first - seg_start[:n]  # flat source minus packed position
+        shift[:n] = row * seq_len + first - seg_start[:n]
         pad_count = seg_start + padded_length - real_end
         pad_index = np.repeat(real_end - cumsum0(pad_count)[:-1], pad_count) + np.arange(num_pad)
     else:  # every segment is a sample and all of it real
@@ -381,13 +392,11 @@ def _token_plan(
     last = real_end[:n] - 1
     sample_ends = last if derive_labels else last[:-1][row[1:] == row[:-1]]
     no_target = np.concatenate([sample_ends, pad_index]) if num_pad else sample_ends
-    expand = _expand_on_host if device.type == "cpu" else _expand_on_device
-    return expand(padded_length, seg_start, shift, no_target, pad_index, T, derive_labels, device)
+    return _SegmentTable(padded_length, seg_start, shift, no_target, pad_index, T, derive_labels)
 
 
-def _expand_on_host(
-    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels, device
-) -> _TokenPlan:
+def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
+    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels = table
     index = np.arange(T)
     gather = np.repeat(shift, padded_length)
     gather += index
@@ -405,24 +414,50 @@ def _expand_on_host(
 
 
 def _expand_on_device(
-    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels, device
-) -> _TokenPlan:
-    m, k = padded_length.size, no_target.size
-    buf = np.concatenate([padded_length, seg_start, shift, no_target, pad_index])
-    buf = _to_device(torch.from_numpy(buf), device, True)
-    padded_length, table = buf[:m], buf[m : 3 * m].view(2, m)
-    no_target, pad_index = buf[3 * m : 3 * m + k], buf[3 * m + k :]
-    seg_start, shift = torch.repeat_interleave(table, padded_length, dim=1, output_size=T)
+    table: _SegmentTable, layout: PackLayout, device: torch.device
+) -> tuple[_TokenPlan, torch.Tensor, torch.Tensor]:
+    """The plan on ``device`` and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there (one object when
+    they are one on the host), all from one pinned copy."""
+    same = layout.cu_seqlens is layout.cu_seqlens_padded
+    arrays = [*table[:5], layout.cu_seqlens_padded.numpy()]
+    if not same:
+        arrays.append(layout.cu_seqlens.numpy())
+    padded_length, seg_start, shift, no_target, pad_index, cu_padded, *cu = _upload(arrays, device)
+    T = table.total_tokens
+    seg_start, shift = torch.repeat_interleave(
+        torch.stack([seg_start, shift]), padded_length, dim=1, output_size=T
+    )
     index = torch.arange(T, device=device)
     gather = shift.add_(index).index_fill_(0, pad_index, 0)
-    label_index = (gather + 1).index_fill_(0, no_target, 0) if derive_labels else gather
+    label_index = (gather + 1).index_fill_(0, no_target, 0) if table.derive_labels else gather
     pad = torch.zeros(T, dtype=torch.bool, device=device).index_fill_(0, pad_index, True)
-    return _TokenPlan(gather, label_index, no_target, pad_index, pad, index.sub_(seg_start))
+    plan = _TokenPlan(gather, label_index, no_target, pad_index, pad, index.sub_(seg_start))
+    return plan, cu_padded, cu_padded if same else cu[0]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Copy small host arrays (int64/int32) to ``device`` in one ``non_blocking`` copy from pinned memory;
+    returns a device view of each, with its dtype. Each array starts at an 8-byte boundary."""
+    offsets = cumsum0(np.array([-(-a.nbytes // 8) * 8 for a in arrays]))
+    # Pinned: from pageable memory cudaMemcpyAsync first waits for the stream to drain (a hidden sync that
+    # torch's sync-debug mode does not report). torch's host allocator caches the buffers.
+    staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = staging.numpy()
+    for a, start in zip(arrays, offsets, strict=False):
+        host[start : start + a.nbytes] = np.ascontiguousarray(a).view(np.uint8)
+    on_device = staging.to(device, non_blocking=True)
+    return [
+        on_device[start : start + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+        for a, start in zip(arrays, offsets, strict=False)
+    ]
 
 
 def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     """``x.reshape(-1)[index]`` with ``value`` written at ``fill`` (positions, or a bool mask over the
-    result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see :func:`_token_plan`);
+    result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see :func:`_segment_table`);
     on a GPU they are tensors."""
     flat = x.reshape(-1)
     if isinstance(index, np.ndarray):

@@ -16,9 +16,21 @@ def batch(B=6, S=40, seed=0):
     return {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": mask.float(), "attention_mask": mask}
 
 
-@pytest.mark.parametrize("alignment", [Alignment(), Alignment(cp_size=2), Alignment(cp_size=2, mode="fold")])
-def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment):
+ALIGNMENTS = [
+    Alignment(),
+    Alignment(cp_size=2),
+    Alignment(cp_size=2, mode="fold"),
+    Alignment(cp_size=2, tp_size=2, sequence_parallel=True, pad_total_to=256),
+]
+
+
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+@pytest.mark.parametrize("given_labels", [True, False])
+def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels):
     host = batch()
+    host["weights"] = torch.rand(host["tokens"].shape).bfloat16()  # an extra key, a dtype numpy lacks
+    if not given_labels:
+        del host["labels"]
     segments = find_segments(host["attention_mask"])
     gpu = {k: v.cuda() for k, v in host.items() if k != "attention_mask"}
     torch.cuda.synchronize()
@@ -29,7 +41,7 @@ def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment):
         torch.cuda.set_sync_debug_mode("default")
     expected = pack_bshd(host, alignment=alignment)
     for name, t in expected.token_tensors().items():
-        assert torch.equal(getattr(packed, name).cpu(), t), name
+        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
     assert torch.equal(packed.cu_seqlens.cpu(), expected.cu_seqlens)
     assert (packed.cu_seqlens is packed.cu_seqlens_padded) == (
         expected.cu_seqlens is expected.cu_seqlens_padded

@@ -279,21 +279,14 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
     ids, _, _ = data
     segments = find_segments(ids)
     layout = plan_layout(segments.length, alignment)
-    captured = {}
-    original = pack_module._expand_on_host
-
-    def spy(*args):
-        captured["args"] = args[:-1]
-        return original(*args)
-
-    pack_module._expand_on_host = spy
-    try:
-        host = pack_module._token_plan(segments, layout, ids.shape[1], derive_labels, torch.device("cpu"))
-    finally:
-        pack_module._expand_on_host = original
-    device = pack_module._expand_on_device(*captured["args"], torch.device("cpu"))
+    table = pack_module._segment_table(segments, layout, ids.shape[1], derive_labels)
+    host = pack_module._expand_on_host(table)
+    device, cu_padded, cu = pack_module._expand_on_device(table, layout, torch.device("cpu"))
     for h, d in zip(host, device, strict=True):  # numpy arrays on the host, tensors on a device
         assert torch.equal(torch.as_tensor(h), d)
+    assert torch.equal(cu_padded, layout.cu_seqlens_padded) and torch.equal(cu, layout.cu_seqlens)
+    assert cu_padded.dtype == cu.dtype == torch.int32
+    assert (cu is cu_padded) == (layout.cu_seqlens is layout.cu_seqlens_padded)
 
 
 @settings(max_examples=60, deadline=None)
