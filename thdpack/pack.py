@@ -419,15 +419,16 @@ def _expand_on_device(
     """The plan on ``device`` and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there (one object when
     they are one on the host), all from one pinned copy."""
     same = layout.cu_seqlens is layout.cu_seqlens_padded
-    arrays = [*table[:5], layout.cu_seqlens_padded.numpy()]
+    seg_end = table.seg_start + table.padded_length
+    by_segment = np.stack([table.seg_start, table.shift])
+    arrays = [seg_end, by_segment, table.no_target, table.pad_index, layout.cu_seqlens_padded.numpy()]
     if not same:
         arrays.append(layout.cu_seqlens.numpy())
-    padded_length, seg_start, shift, no_target, pad_index, cu_padded, *cu = _upload(arrays, device)
+    seg_end, by_segment, no_target, pad_index, cu_padded, *cu = _upload(arrays, device)
     T = table.total_tokens
-    seg_start, shift = torch.repeat_interleave(
-        torch.stack([seg_start, shift]), padded_length, dim=1, output_size=T
-    )
     index = torch.arange(T, device=device)
+    segment = torch.searchsorted(seg_end, index, right=True)  # the segment each position lies in
+    seg_start, shift = by_segment.index_select(1, segment)
     gather = shift.add_(index).index_fill_(0, pad_index, 0)
     label_index = (gather + 1).index_fill_(0, no_target, 0) if table.derive_labels else gather
     pad = torch.zeros(T, dtype=torch.bool, device=device).index_fill_(0, pad_index, True)
@@ -440,17 +441,17 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 
 def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Copy small host arrays (int64/int32) to ``device`` in one ``non_blocking`` copy from pinned memory;
-    returns a device view of each, with its dtype. Each array starts at an 8-byte boundary."""
+    returns a device view of each, with its dtype and shape. Each array starts at an 8-byte boundary."""
     offsets = cumsum0(np.array([-(-a.nbytes // 8) * 8 for a in arrays]))
     # Pinned: from pageable memory cudaMemcpyAsync first waits for the stream to drain (a hidden sync that
     # torch's sync-debug mode does not report). torch's host allocator caches the buffers.
     staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=device.type == "cuda")
     host = staging.numpy()
     for a, start in zip(arrays, offsets, strict=False):
-        host[start : start + a.nbytes] = np.ascontiguousarray(a).view(np.uint8)
+        host[start : start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     on_device = staging.to(device, non_blocking=True)
     return [
-        on_device[start : start + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+        on_device[start : start + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
         for a, start in zip(arrays, offsets, strict=False)
     ]
 

@@ -294,3 +294,40 @@ def test_te_backend_is_megatrons_te_attention_or_says_what_to_install():
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         assert get_core_attention("te") is TEDotProductAttention
+
+
+# ---------------------------------------------------------------- CUDA backends (marked gpu, skipped on CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "varlen", "sdpa", "dense"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_cuda_backends_match_the_fp64_reference(backend, fold):
+    if backend == "varlen" and not hasattr(torch.nn.attention, "varlen"):
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    cu, cu_padded = (CU_PADDED, CU_PADDED) if fold else (CU, CU_PADDED)
+    q, k, v = qkv(CU_PADDED[-1], grad=True)
+    expected = reference(q, k, v, cu, cu_padded)
+    expected.sum().backward()
+    ref_grads = [t.grad for t in (q, k, v)]
+
+    qc, kc, vc = (t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    cup_t = cu_t if fold else torch.tensor(cu_padded, dtype=torch.int32, device="cuda")
+    max_seqlen = int(torch.tensor(cu_padded).diff().max())
+    out = attend_thd(
+        qc,
+        kc,
+        vc,
+        cu_t,
+        cup_t,
+        max_seqlen=max_seqlen,
+        host_cu_seqlens=cu,
+        host_cu_seqlens_padded=cu_padded,
+        backend=backend,
+    )
+    out.float().sum().backward()
+    torch.testing.assert_close(out.double().cpu(), expected.detach(), atol=2e-2, rtol=2e-2)
+    assert (out[PAD_ROWS if not fold else []] == 0).all()  # pad rows are exactly zero in distinct mode
+    for got, ref in zip((qc.grad, kc.grad, vc.grad), ref_grads, strict=True):
+        torch.testing.assert_close(got.double().cpu(), ref, atol=5e-2, rtol=5e-2)

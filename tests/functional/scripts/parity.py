@@ -235,7 +235,14 @@ def build(config, mrope):
     model = build_gpt_model(
         config, VOCAB, 64, backend=ARGS.backend, position_embedding_type="mrope" if mrope else "rope"
     )
-    return model.cuda() if ARGS.device == "cuda" else model
+    if ARGS.device != "cuda":
+        return model
+    model = model.cuda()
+    if ARGS.backend == "torch" and config.bf16:
+        # What Megatron's Float16Module does in training: cast every parameter. TE layers are created in
+        # params_dtype already; the local spec's torch LayerNorm is not.
+        model = model.bfloat16()
+    return model
 
 
 def init_parallel(**sizes):
