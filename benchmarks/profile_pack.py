@@ -17,6 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 import thdpack
 from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths
 
+# Runtime and driver entry points a kernel launch goes through (torch uses the first, Triton the driver API).
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .context_parallel import cp_partition_indices
+from .fused import fused_pack, fused_pack_available
 from .layout import Alignment, PackLayout, cumsum0, plan_layout
 from .positions import pack_mrope_position_ids
 from .segments import Segments, find_segments
@@ -265,19 +266,34 @@ def assemble(
     B, S = tokens.shape
     device = tokens.device
     table = _segment_table(segments, layout, S, derive_labels=labels is None)
-    if device.type == "cpu":
-        plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
+    if fused_pack_available(tokens, labels, loss_mask):
+        # One kernel writes every output (see thdpack.fused); the table and boundaries go in one copy.
+        arrays = [table.seg_start, table.shift, table.real_end, table.end_flag(), table.pad_index]
+        (*by_segment, pad_index), cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
+        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask, gather = fused_pack(
+            tokens,
+            labels,
+            loss_mask,
+            *by_segment,
+            table.total_tokens,
+            pad_token_id=pad_token_id,
+            ignore_index=ignore_index,
+        )
     else:
-        plan, cu_padded, cu = _expand_on_device(table, layout, device)
-    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
-    source_labels = tokens if labels is None else labels
-    packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
-    no_count = (packed_labels.numpy() if device.type == "cpu" else packed_labels) == ignore_index
-    if loss_mask is None:
-        packed_loss_mask = torch.as_tensor(~no_count).float()
-    else:
-        packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-    padding_mask, position_ids = torch.as_tensor(plan.padding_mask), torch.as_tensor(plan.position_ids)
+        if device.type == "cpu":
+            plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
+        else:
+            plan, cu_padded, cu = _expand_on_device(table, layout, device)
+        packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
+        source_labels = tokens if labels is None else labels
+        packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
+        no_count = (packed_labels.numpy() if device.type == "cpu" else packed_labels) == ignore_index
+        if loss_mask is None:
+            packed_loss_mask = torch.as_tensor(~no_count).float()
+        else:
+            packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
+        padding_mask, position_ids = torch.as_tensor(plan.padding_mask), torch.as_tensor(plan.position_ids)
+        gather, pad_index = plan.gather, plan.pad_index
     return PackedBatch(
         tokens=packed_tokens.view(1, -1),
         labels=packed_labels.view(1, -1),
@@ -291,8 +307,8 @@ def assemble(
         layout=layout,
         mrope_position_ids=None
         if mrope is None
-        else pack_mrope_position_ids(mrope, torch.as_tensor(plan.gather), padding_mask, position_ids),
-        extra={k: _take(v, plan.gather, plan.pad_index, 0).view(1, -1) for k, v in extra.items()},
+        else pack_mrope_position_ids(mrope, torch.as_tensor(gather), padding_mask, position_ids),
+        extra={k: _take(v, gather, pad_index, 0).view(1, -1) for k, v in extra.items()},
         source_shape=(B, S),
     )
 
@@ -354,10 +370,23 @@ class _SegmentTable(NamedTuple):
     padded_length: np.ndarray
     seg_start: np.ndarray
     shift: np.ndarray
+    real_end: np.ndarray
     no_target: np.ndarray
     pad_index: np.ndarray
     total_tokens: int
     derive_labels: bool
+    crossing: np.ndarray  # bool [N - 1]: sample i is followed by sample i + 1 in the same source row
+
+    def end_flag(self) -> np.ndarray:
+        """int64 ``[M]``: 1 where the segment's last real token has no target (every sample when labels are
+        derived, else the samples followed by another in their row)."""
+        flag = np.zeros_like(self.seg_start)
+        n = self.crossing.size + 1
+        if self.derive_labels:
+            flag[:n] = 1
+        else:
+            flag[: n - 1] = self.crossing
+        return flag
 
 
 def _segment_table(
@@ -390,13 +419,16 @@ def _segment_table(
     # Derived labels: every sample's last token has no target. Given labels: a sample followed by another in
     # its row has that sample's first token as its last token's label.
     last = real_end[:n] - 1
-    sample_ends = last if derive_labels else last[:-1][row[1:] == row[:-1]]
+    crossing = row[1:] == row[:-1]
+    sample_ends = last if derive_labels else last[:-1][crossing]
     no_target = np.concatenate([sample_ends, pad_index]) if num_pad else sample_ends
-    return _SegmentTable(padded_length, seg_start, shift, no_target, pad_index, T, derive_labels)
+    return _SegmentTable(
+        padded_length, seg_start, shift, real_end, no_target, pad_index, T, derive_labels, crossing
+    )
 
 
 def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
-    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels = table
+    padded_length, seg_start, shift, _, no_target, pad_index, T, derive_labels, _ = table
     index = np.arange(T)
     gather = np.repeat(shift, padded_length)
     gather += index
@@ -418,13 +450,12 @@ def _expand_on_device(
 ) -> tuple[_TokenPlan, torch.Tensor, torch.Tensor]:
     """The plan on ``device`` and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there (one object when
     they are one on the host), all from one pinned copy."""
-    same = layout.cu_seqlens is layout.cu_seqlens_padded
     seg_end = table.seg_start + table.padded_length
     by_segment = np.stack([table.seg_start, table.shift])
-    arrays = [seg_end, by_segment, table.no_target, table.pad_index, layout.cu_seqlens_padded.numpy()]
-    if not same:
-        arrays.append(layout.cu_seqlens.numpy())
-    seg_end, by_segment, no_target, pad_index, cu_padded, *cu = _upload(arrays, device)
+    arrays = [seg_end, by_segment, table.no_target, table.pad_index]
+    (seg_end, by_segment, no_target, pad_index), cu_padded, cu = _upload_with_boundaries(
+        arrays, layout, device
+    )
     T = table.total_tokens
     index = torch.arange(T, device=device)
     segment = torch.searchsorted(seg_end, index, right=True)  # the segment each position lies in
@@ -433,7 +464,19 @@ def _expand_on_device(
     label_index = (gather + 1).index_fill_(0, no_target, 0) if table.derive_labels else gather
     pad = torch.zeros(T, dtype=torch.bool, device=device).index_fill_(0, pad_index, True)
     plan = _TokenPlan(gather, label_index, no_target, pad_index, pad, index.sub_(seg_start))
-    return plan, cu_padded, cu_padded if same else cu[0]
+    return plan, cu_padded, cu
+
+
+def _upload_with_boundaries(
+    arrays: list[np.ndarray], layout: PackLayout, device: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """:func:`_upload` of ``arrays`` and the layout's boundaries in one copy: ``(arrays, cu_seqlens_padded,
+    cu_seqlens)`` on ``device``, the two boundaries one object when they are one on the host."""
+    same = layout.cu_seqlens is layout.cu_seqlens_padded
+    boundaries = [layout.cu_seqlens_padded.numpy()] + ([] if same else [layout.cu_seqlens.numpy()])
+    uploaded = _upload(arrays + boundaries, device)
+    cu_padded = uploaded[len(arrays)]
+    return uploaded[: len(arrays)], cu_padded, cu_padded if same else uploaded[-1]
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}

@@ -1,0 +1,70 @@
+"""The Triton kernel behind :func:`thdpack.fused.fused_pack` (imported only when it is first used)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pack_kernel(
+    tokens_ptr,
+    labels_ptr,
+    loss_mask_ptr,
+    seg_start_ptr,
+    shift_ptr,
+    real_end_ptr,
+    end_flag_ptr,
+    out_tokens_ptr,
+    out_labels_ptr,
+    out_loss_mask_ptr,
+    out_position_ptr,
+    out_pad_ptr,
+    out_gather_ptr,
+    T,
+    M,
+    pad_token_id,
+    ignore_index,
+    STEPS: tl.constexpr,
+    DERIVE: tl.constexpr,
+    HAS_LOSS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = p < T
+    # The segment of p: the last one whose start is <= p (starts ascend from 0).
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.full([BLOCK], M, dtype=tl.int64)
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(seg_start_ptr + mid, mask=valid & (mid < M), other=T) <= p
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    start = tl.load(seg_start_ptr + lo, mask=valid, other=0)
+    shift = tl.load(shift_ptr + lo, mask=valid, other=0)
+    real_end = tl.load(real_end_ptr + lo, mask=valid, other=0)
+    end_flag = tl.load(end_flag_ptr + lo, mask=valid, other=0)
+
+    is_pad = p >= real_end
+    real = valid & (p < real_end)
+    src = tl.where(is_pad, 0, p + shift)
+    token = tl.load(tokens_ptr + src, mask=real, other=0)
+    token = tl.where(is_pad, pad_token_id, token)
+    # No target: pad, and a sample's last token when labels are derived or would cross into the next
+    # sample of the same source row (end_flag).
+    no_target = is_pad | ((p == real_end - 1) & (end_flag != 0))
+    if DERIVE:
+        label = tl.load(tokens_ptr + src + 1, mask=valid & ~no_target, other=0)
+    else:
+        label = tl.load(labels_ptr + src, mask=valid & ~no_target, other=0)
+    label = tl.where(no_target, ignore_index, label.to(tl.int64))
+    if HAS_LOSS_MASK:
+        weight = tl.load(loss_mask_ptr + src, mask=real, other=0).to(tl.float32)
+    else:
+        weight = tl.full([BLOCK], 1.0, dtype=tl.float32)
+    weight = tl.where(label == ignore_index, 0.0, weight)
+
+    tl.store(out_tokens_ptr + p, token, mask=valid)
+    tl.store(out_labels_ptr + p, label, mask=valid)
+    tl.store(out_loss_mask_ptr + p, weight, mask=valid)
+    tl.store(out_position_ptr + p, p - start, mask=valid)
+    tl.store(out_pad_ptr + p, is_pad, mask=valid)
+    tl.store(out_gather_ptr + p, src, mask=valid)
