@@ -232,7 +232,7 @@ def _first_hole(row: torch.Tensor) -> int | None:
 
 # Both statistics functions return ``(first, length, holes, restarts, negative, above_one, fractional)``:
 # each row's first real column and real-token count (int64 numpy ``[B]``; None when a flag says the mask is
-# not 0/1), whether some row's real tokens are not contiguous, whether the position ids may restart at 0
+# not 0/1, undefined when there are holes), whether some row's real tokens are not contiguous, whether the position ids may restart at 0
 # inside a real run, and whether the mask has negative, > 1 or fractional values.
 
 
@@ -255,20 +255,23 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
             fractional = bool((mask != mask.round()).any()) or not bool(torch.isfinite(mask).all())
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
-    # A valid 0/1 mask: its row sums count the real tokens.
-    integer = not (mask.dtype == torch.bool or mask.is_floating_point())
-    length = (mask if integer else real).sum(1, dtype=torch.int64).numpy()
     r = real.numpy()
     holes = False
     if S and r[:, 0].all():
-        # Every row starts real (right padding, the common case): a row is contiguous iff its first pad
-        # column is its length, or it has no pad.
+        # Every row starts real (right padding, the common case). Each row's first run ends at its first pad
+        # column (argmin; a row without pad has none); the rows hold no other real token iff the runs add up
+        # to the real tokens of the whole mask, one count that is cheaper than per-row sums.
+        end = r.argmin(axis=1)
+        length = np.where(end == 0, S, end)
         first = np.zeros(B, dtype=np.int64)
-        holes = not ((r.argmin(axis=1) == length) | (length == S)).all()
+        holes = int(length.sum()) != np.count_nonzero(r)
     elif S:
+        # A valid 0/1 mask: its row sums count the real tokens.
+        integer = not (mask.dtype == torch.bool or mask.is_floating_point())
+        length = (mask if integer else real).sum(1, dtype=torch.int64).numpy()
         first = r.argmax(axis=1)
-        # A row starting real as above; a row ending real iff it starts at S - length; any other non-empty
-        # row is checked by counting its runs.
+        # A row starting real is contiguous iff its first pad column is its length (or it has no pad); a row
+        # ending real iff it starts at S - length; any other non-empty row is checked by counting its runs.
         ends_real = r[:, -1]
         ok = np.where(
             r[:, 0], (r.argmin(axis=1) == length) | (length == S), ends_real & (first + length == S)
@@ -279,7 +282,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
             runs = np.count_nonzero(rest[:, 1:] > rest[:, :-1], axis=1) + rest[:, 0]
             holes = bool((runs > 1).any())
     else:
-        first = length
+        first = length = np.zeros(B, dtype=np.int64)
     restarts = False
     if position_ids is not None and S > 1:
         # Only a 0 inside a real run (not at its first column) splits a sample: look at the columns some run
