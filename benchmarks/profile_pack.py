@@ -49,9 +49,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
         events = prof.key_averages()
-        launches = sum(
-            e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
-        )
+        launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
         copies = sum(e.count for e in events if e.key == "cudaMemcpyAsync")
         print(
             f"\n== {case.name} on {args.device}: {launches / args.calls:.1f} kernel launches and "
