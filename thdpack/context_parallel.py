@@ -47,7 +47,7 @@ def cp_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank:
     seg = torch.repeat_interleave(
         torch.arange(lengths.numel(), device=cu.device), 2 * chunk, output_size=total // cp_size
     )
-    local_start = cumsum0(2 * chunk, torch.int64)
+    local_start = cumsum0(2 * chunk)
     j = torch.arange(total // cp_size, device=cu.device) - local_start[seg]
     c = chunk[seg]
     first = j < c

@@ -82,7 +82,7 @@ def fused_pack(
     out_loss_mask = torch.empty(T, dtype=torch.float32, device=device)
     out_pad = torch.empty(T, dtype=torch.bool, device=device)
     flat = tokens.reshape(-1)
-    _kernel()[(triton_cdiv(T, BLOCK),)](
+    _kernel()[(-(-T // BLOCK),)](
         flat,
         flat if labels is None else labels.reshape(-1),
         out_loss_mask if loss_mask is None else loss_mask.reshape(-1),
@@ -107,7 +107,3 @@ def fused_pack(
         BLOCK=BLOCK,
     )
     return out_tokens, out_long[0], out_loss_mask, out_long[1], out_pad, out_long[2]
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -170,14 +170,13 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     return PackLayout.from_lengths(real_t, padded_t, attn_t)
 
 
-def cumsum0(x, dtype=torch.int64):
-    """``[0, x0, x0 + x1, ...]``: boundaries from lengths, for a numpy array (numpy out, ``dtype`` a numpy
-    or torch dtype) or a tensor on any device (a tensor out)."""
+def cumsum0(x, dtype=None):
+    """``[0, x0, x0 + x1, ...]``: boundaries from lengths. A numpy array gives a numpy array (``dtype`` a numpy
+    dtype), a tensor on any device gives a tensor there (``dtype`` a torch dtype); int64 by default."""
     if isinstance(x, np.ndarray):
-        dtype = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else dtype
-        out = np.zeros(x.size + 1, dtype=dtype)
+        out = np.zeros(x.size + 1, dtype=dtype or np.int64)
         out[1:] = x.cumsum()
         return out
-    out = torch.zeros(x.numel() + 1, dtype=dtype, device=x.device)
+    out = torch.zeros(x.numel() + 1, dtype=dtype or torch.int64, device=x.device)
     out[1:] = torch.cumsum(x, dim=0)
     return out

@@ -532,20 +532,16 @@ _NUMPY_DTYPES = {
 def _unpack_index(packed: PackedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed position, flat source position)`` of every real token, int64 ``[R]`` each, on ``device``."""
     segments, layout = packed.segments, packed.layout
-    table = torch.stack(
-        [
-            segments.length,
-            layout.cu_seqlens_padded[:-1][: len(segments)].long(),
-            segments.row * packed.source_shape[1] + segments.start,
-        ]
-    )
-    length, start, base = _to_device(table, device, True)
-    R = layout.num_real_tokens
-    seg = torch.repeat_interleave(torch.arange(len(segments), device=device), length, output_size=R)
-    within = (
-        torch.arange(R, device=device) - _to_device(cumsum0(segments.length, torch.int64), device, True)[seg]
-    )
-    return start[seg] + within, base[seg] + within
+    n, R = len(segments), layout.num_real_tokens
+    length = segments.length.numpy()
+    offset = cumsum0(length)[:-1]  # index of each sample's first token among the real tokens
+    packed_start = layout.cu_seqlens_padded.numpy()[:n].astype(np.int64)
+    source_start = segments.row.numpy() * packed.source_shape[1] + segments.start.numpy()
+    # Per sample, position minus index among the real tokens; expanded on ``device`` after one small copy.
+    table, length = _upload([np.stack([packed_start - offset, source_start - offset]), length], device)
+    segment = torch.repeat_interleave(torch.arange(n, device=device), length, output_size=R)
+    packed_pos, source_pos = table.index_select(1, segment) + torch.arange(R, device=device)
+    return packed_pos, source_pos
 
 
 def _to_device(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
