@@ -208,6 +208,21 @@ def _simulate_cp2(q, k, v, backend):
     return idx, local, outs
 
 
+def test_cp_gather_order_is_built_once_per_boundaries():
+    # Every layer of a micro-batch passes the same boundaries: the order of the gathered K/V rows is built once.
+    from thdpack.attention.torch_attention import _cp_gather_order
+
+    _cp_gather_order.cache_clear()
+    q, k, v = qkv(20)
+    for _layer in range(3):
+        _simulate_cp2(q, k, v, "dense")
+    info = _cp_gather_order.cache_info()
+    assert (info.misses, info.hits) == (1, 5)  # 3 layers x 2 ranks, one build
+    order = _cp_gather_order(tuple(CP_CU_PADDED), 2, torch.device("cpu"))
+    expected = torch.cat([cp_partition_indices(torch.tensor(CP_CU_PADDED), 2, r) for r in range(2)])
+    assert torch.equal(order, expected)
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "dense"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_cp2_rank_output_equals_its_slice_of_the_full_output(backend, rank):

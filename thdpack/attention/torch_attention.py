@@ -140,6 +140,20 @@ def _check_host(cu: list[int], cup: list[int], local_rows: int, cp_size: int) ->
         raise ValueError(f"cu_seqlens_padded[-1]={cup[-1]} exceeds the {local_rows} rows of query")
 
 
+@functools.lru_cache(maxsize=4)
+def _cp_gather_order(cup: tuple[int, ...], cp_size: int, device: torch.device) -> Tensor:
+    """Global row of every rank-major all-gathered row: TE's partition of each rank, concatenated.
+
+    Every attention layer of a micro-batch asks for the same one, so it is built once per boundaries and sent
+    to the device from pinned memory (a pageable copy would first wait for the GPU to drain).
+    """
+    cup_host = torch.tensor(cup, dtype=torch.int64)
+    order = torch.cat([cp_partition_indices(cup_host, cp_size, r) for r in range(cp_size)])
+    if device.type == "cuda":
+        order = order.pin_memory()
+    return order.to(device, non_blocking=True)
+
+
 def _real_rows(gidx: Tensor, cu: Tensor, cup: Tensor) -> Tensor:
     """Bool `[len(gidx)]`: True where a global row is a real token (sync-free)."""
     cu, cup = cu.to(torch.int64), cup.to(torch.int64)
@@ -404,8 +418,7 @@ def attend_thd(
                 "(host_cu_seqlens*; thdpack's PackedBatch.packed_seq_params() attaches them)"
             )
         # Rank-major gathered rows -> global order, with TE's partition computed on the host boundaries.
-        cup_host = torch.as_tensor(host_cup, dtype=torch.int64)
-        order = torch.cat([cp_partition_indices(cup_host, cp_size, r) for r in range(cp_size)]).to(device)
+        order = _cp_gather_order(tuple(host_cup), cp_size, device)
         gidx = order[cp_rank * t_local : (cp_rank + 1) * t_local]
         kv = torch.empty_like(kv).index_copy_(0, order, kv)
         key, value = kv[:, 0], kv[:, 1]
