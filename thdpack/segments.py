@@ -232,8 +232,9 @@ def _first_hole(row: torch.Tensor) -> int | None:
 
 # Both statistics functions return ``(first, length, holes, restarts, negative, above_one, fractional)``:
 # each row's first real column and real-token count (int64 numpy ``[B]``; None when a flag says the mask is
-# not 0/1, undefined when there are holes), whether some row's real tokens are not contiguous, whether the position ids may restart at 0
-# inside a real run, and whether the mask has negative, > 1 or fractional values.
+# not 0/1), whether some row's real tokens are not contiguous, whether the position ids may restart at 0
+# inside a real run, and whether the mask has negative, > 1 or fractional values. With holes, first, length and
+# restarts are undefined: the caller raises.
 
 
 def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
