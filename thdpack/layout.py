@@ -110,10 +110,14 @@ class PackLayout:
 
     @classmethod
     def from_lengths(
-        cls, lengths: torch.Tensor, padded_lengths: torch.Tensor, attn_lengths: torch.Tensor
+        cls,
+        lengths: torch.Tensor,
+        padded_lengths: torch.Tensor,
+        attn_lengths: torch.Tensor,
+        num_real_tokens: int | None = None,
     ) -> PackLayout:
         """The layout of segments with these physical and attention lengths (int64 host ``[N]``, ``[M]``,
-        ``[M]``; the real samples first)."""
+        ``[M]``; the real samples first). ``num_real_tokens``: ``lengths.sum()``, if the caller knows it."""
         # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
         padded = padded_lengths.numpy()
         cu_padded = cumsum0(padded, np.int32)
@@ -129,7 +133,7 @@ class PackLayout:
             cu_seqlens_padded=cu_padded_t,
             max_seqlen=int(padded.max()),
             total_tokens=int(cu_padded[-1]),
-            num_real_tokens=int(lengths.numpy().sum()),
+            num_real_tokens=int(lengths.numpy().sum()) if num_real_tokens is None else num_real_tokens,
         )
 
     @property
@@ -167,7 +171,7 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     padded_t = torch.from_numpy(padded)
     attn_t = padded_t if attn_is_physical else torch.from_numpy(attn)
     real_t = lengths if lengths.dtype == torch.int64 else torch.from_numpy(real)
-    return PackLayout.from_lengths(real_t, padded_t, attn_t)
+    return PackLayout.from_lengths(real_t, padded_t, attn_t, body if m == 1 else None)
 
 
 def cumsum0(x, dtype=None):

@@ -217,12 +217,12 @@ def pack_bshd(
         ("position_ids", position_ids),
         *fields.items(),
     ):
-        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, S)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (B, S)):
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
                 f"batch key '{name}' is {shape}, but pack_bshd packs only [B, S] = [{B}, {S}] tensors"
             )
-    if mrope is not None and tuple(mrope.shape) != (3, B, S):
+    if mrope is not None and mrope.shape != (3, B, S):
         raise ValueError(f"batch key 'mrope_position_ids' is {list(mrope.shape)}, expected [3, {B}, {S}]")
 
     if segments is None:
@@ -430,7 +430,7 @@ def _segment_table(
 def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
     padded_length, seg_start, shift, _, no_target, pad_index, T, derive_labels, _ = table
     index = np.arange(T)
-    gather = np.repeat(shift, padded_length)
+    gather = shift.repeat(padded_length)
     gather += index
     pad = np.zeros(T, dtype=np.bool_)
     if pad_index.size:
@@ -441,7 +441,7 @@ def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
         label_index[no_target] = 0
     else:
         label_index = gather
-    index -= np.repeat(seg_start, padded_length)
+    index -= seg_start.repeat(padded_length)
     return _TokenPlan(gather, label_index, no_target, pad_index, pad, index)
 
 
@@ -507,7 +507,7 @@ def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     if isinstance(index, np.ndarray):
         if flat.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
             return _take(flat, torch.from_numpy(index), torch.from_numpy(fill), value)
-        out = np.take(flat.numpy(), index)
+        out = flat.numpy().take(index)
         if fill.dtype == np.bool_:
             np.putmask(out, fill, value)
         elif fill.size:

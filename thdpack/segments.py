@@ -245,8 +245,12 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     if mask.dtype == torch.bool or mask.numel() == 0:
         real = mask.bool()
     elif not mask.is_floating_point():
-        lo, hi = (int(v) for v in torch.aminmax(mask))
-        negative, above_one = lo < 0, hi > 1
+        # One pass decides the common case: read as unsigned, a negative value is huge, so every value is 0 or
+        # 1 iff the maximum is at most 1 (numpy's max is several times faster than torch's aminmax here).
+        m = mask.numpy()
+        if int(m.view(f"u{m.itemsize}").max()) > 1:
+            lo, hi = (int(v) for v in torch.aminmax(mask))
+            negative, above_one = lo < 0, hi > 1
         real = mask.bool()
     else:
         real = mask != 0
@@ -258,12 +262,14 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
         return None, None, False, False, negative, above_one, fractional
     r = real.numpy()
     holes = False
-    if S and r[:, 0].all():
+    right_padded = S and r[:, 0].all()
+    if right_padded:
         # Every row starts real (right padding, the common case). Each row's first run ends at its first pad
         # column (argmin; a row without pad has none); the rows hold no other real token iff the runs add up
         # to the real tokens of the whole mask, one count that is cheaper than per-row sums.
-        end = r.argmin(axis=1)
-        length = np.where(end == 0, S, end)
+        length = r.argmin(axis=1)
+        if not length.all():
+            length[length == 0] = S  # argmin 0 in a row that starts real: the row has no pad
         first = np.zeros(B, dtype=np.int64)
         holes = int(length.sum()) != np.count_nonzero(r)
     elif S:
@@ -285,14 +291,24 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     else:
         first = length = np.zeros(B, dtype=np.int64)
     restarts = False
-    if position_ids is not None and S > 1:
-        # Only a 0 inside a real run (not at its first column) splits a sample: look at the columns some run
-        # covers beyond its first, and count zeros there (a pad column may make this conservative).
-        lo_col, hi_col = int(first.min()) + 1, int((first + length).max())
-        if hi_col > lo_col:
-            ids = _host(position_ids[:, lo_col:hi_col])
-            restarts = int(torch.count_nonzero(ids)) < ids.numel()
+    if position_ids is not None and not holes and length.size:
+        # The columns some run covers beyond its first (right padding: every run starts at column 0).
+        lo, hi = (
+            (1, int(length.max())) if right_padded else (int(first.min()) + 1, int((first + length).max()))
+        )
+        restarts = _may_restart(position_ids, lo, hi)
     return first, length, holes, restarts, False, False, False
+
+
+def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether some position id in columns ``[lo, hi)`` may be 0: there a real run may hold several samples.
+    A zero id on pad among these columns, or a negative id, also says "may" (the exact path then decides)."""
+    if hi <= lo:
+        return False
+    ids = _host(position_ids)[:, lo:hi]
+    if ids.numel() <= 1 << 16:  # small: numpy's lower per-call overhead wins; min <= 0 stands for "a zero"
+        return int(ids.numpy().min()) <= 0
+    return int(torch.count_nonzero(ids)) < ids.numel()  # large: torch counts on every intra-op thread
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
