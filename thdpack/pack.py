@@ -266,11 +266,16 @@ def assemble(
     B, S = tokens.shape
     device = tokens.device
     table = _segment_table(segments, layout, S, derive_labels=labels is None)
-    if fused_pack_available(tokens, labels, loss_mask):
+    if device.type == "cpu":
+        outputs, gather, pad_index = _pack_on_host(
+            tokens, labels, loss_mask, table, pad_token_id, ignore_index
+        )
+        cu_padded, cu = layout.cu_seqlens_padded, layout.cu_seqlens
+    elif fused_pack_available(tokens, labels, loss_mask):
         # One kernel writes every output (see thdpack.fused); the table and boundaries go in one copy.
         arrays = [table.seg_start, table.shift, table.real_end, table.end_flag(), table.pad_index]
         (*by_segment, pad_index), cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
-        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask, gather = fused_pack(
+        *outputs, gather = fused_pack(
             tokens,
             labels,
             loss_mask,
@@ -280,20 +285,18 @@ def assemble(
             ignore_index=ignore_index,
         )
     else:
-        if device.type == "cpu":
-            plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
-        else:
-            plan, cu_padded, cu = _expand_on_device(table, layout, device)
+        plan, cu_padded, cu = _expand_on_device(table, layout, device)
         packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
         source_labels = tokens if labels is None else labels
         packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
-        no_count = (packed_labels.numpy() if device.type == "cpu" else packed_labels) == ignore_index
+        no_count = packed_labels == ignore_index
         if loss_mask is None:
-            packed_loss_mask = torch.as_tensor(~no_count).float()
+            packed_loss_mask = (~no_count).float()
         else:
             packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-        padding_mask, position_ids = torch.as_tensor(plan.padding_mask), torch.as_tensor(plan.position_ids)
+        outputs = packed_tokens, packed_labels, packed_loss_mask, plan.position_ids, plan.padding_mask
         gather, pad_index = plan.gather, plan.pad_index
+    packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
     return PackedBatch(
         tokens=packed_tokens.view(1, -1),
         labels=packed_labels.view(1, -1),
@@ -443,6 +446,61 @@ def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
         label_index = gather
     index -= seg_start.repeat(padded_length)
     return _TokenPlan(gather, label_index, no_target, pad_index, pad, index)
+
+
+def _pack_on_host(
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    table: _SegmentTable,
+    pad_token_id: int,
+    ignore_index: int,
+) -> tuple[tuple[torch.Tensor, ...], np.ndarray, np.ndarray]:
+    """The host path: ``((tokens, labels, loss_mask, position_ids, padding_mask), gather, pad_index)``, the
+    outputs ``[T]`` tensors sharing memory with numpy arrays that numpy filled (cheaper per call than torch
+    at these sizes), ``gather`` and ``pad_index`` numpy for the other keys."""
+    plan = _expand_on_host(table)
+    if tokens.dtype not in _NUMPY_DTYPES or not (labels is None or labels.dtype in _NUMPY_DTYPES):
+        # e.g. bfloat16 tokens or labels: torch gathers, with the plan's arrays
+        packed_tokens = _take(
+            tokens, torch.from_numpy(plan.gather), torch.from_numpy(plan.pad_index), pad_token_id
+        )
+        source = tokens if labels is None else labels
+        label_index, no_target = torch.from_numpy(plan.label_index), torch.from_numpy(plan.no_target)
+        packed_labels = _take(source, label_index, no_target, ignore_index).long().numpy()
+    else:
+        packed_tokens = torch.from_numpy(_take_host(tokens, plan.gather, plan.pad_index, pad_token_id))
+        source = tokens if labels is None else labels
+        packed_labels = _take_host(source, plan.label_index, plan.no_target, ignore_index).astype(
+            np.int64, copy=False
+        )
+    no_count = packed_labels == ignore_index
+    if loss_mask is None:
+        packed_loss_mask = torch.from_numpy(~no_count).float()
+    elif loss_mask.dtype in _NUMPY_DTYPES:
+        weight = loss_mask.reshape(-1).numpy().take(plan.gather)
+        np.putmask(weight, no_count, 0)
+        packed_loss_mask = torch.from_numpy(weight).float()
+    else:
+        packed_loss_mask = _take(
+            loss_mask, torch.from_numpy(plan.gather), torch.from_numpy(no_count), 0
+        ).float()
+    outputs = (
+        packed_tokens,
+        torch.from_numpy(packed_labels),
+        packed_loss_mask,
+        torch.from_numpy(plan.position_ids),
+        torch.from_numpy(plan.padding_mask),
+    )
+    return outputs, plan.gather, plan.pad_index
+
+
+def _take_host(x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: int) -> np.ndarray:
+    """``x.reshape(-1)[index]`` with ``value`` written at the positions ``fill``, in numpy."""
+    out = x.reshape(-1).numpy().take(index)
+    if fill.size:
+        out[fill] = value
+    return out
 
 
 def _expand_on_device(
