@@ -285,17 +285,9 @@ def assemble(
             ignore_index=ignore_index,
         )
     else:
-        plan, cu_padded, cu = _expand_on_device(table, layout, device)
-        packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
-        source_labels = tokens if labels is None else labels
-        packed_labels = _take(source_labels, plan.label_index, plan.no_target, ignore_index).long()
-        no_count = packed_labels == ignore_index
-        if loss_mask is None:
-            packed_loss_mask = (~no_count).float()
-        else:
-            packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-        outputs = packed_tokens, packed_labels, packed_loss_mask, plan.position_ids, plan.padding_mask
-        gather, pad_index = plan.gather, plan.pad_index
+        outputs, gather, pad_index, cu_padded, cu = _pack_on_device(
+            tokens, labels, loss_mask, table, layout, pad_token_id, ignore_index
+        )
     packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
     return PackedBatch(
         tokens=packed_tokens.view(1, -1),
@@ -493,6 +485,30 @@ def _pack_on_host(
         torch.from_numpy(plan.padding_mask),
     )
     return outputs, plan.gather, plan.pad_index
+
+
+def _pack_on_device(
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    table: _SegmentTable,
+    layout: PackLayout,
+    pad_token_id: int,
+    ignore_index: int,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch path on the batch's device (when the fused kernel cannot run): what :func:`_pack_on_host`
+    returns, as tensors there, and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there."""
+    plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
+    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
+    source = tokens if labels is None else labels
+    packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
+    no_count = packed_labels == ignore_index
+    if loss_mask is None:
+        packed_loss_mask = (~no_count).float()
+    else:
+        packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
+    outputs = packed_tokens, packed_labels, packed_loss_mask, plan.position_ids, plan.padding_mask
+    return outputs, plan.gather, plan.pad_index, cu_padded, cu
 
 
 def _take_host(x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: int) -> np.ndarray:

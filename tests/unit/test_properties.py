@@ -290,6 +290,35 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
 
 
 @settings(max_examples=60, deadline=None)
+@given(padded_batches(), alignments, st.booleans(), st.booleans())
+def test_device_torch_path_equals_host_path(data, alignment, with_labels, with_loss_mask):
+    """The torch path a GPU batch takes without the fused kernel, run on CPU tensors: the same outputs."""
+    from thdpack import pack as pack_module
+    from thdpack.layout import plan_layout
+
+    ids, tokens, gen = data
+    labels = (
+        torch.randint(0, 50, tokens.shape, generator=gen).masked_fill_(ids == 0, -100)
+        if with_labels
+        else None
+    )
+    loss_mask = torch.rand(tokens.shape, generator=gen) if with_loss_mask else None
+    segments = find_segments(ids)
+    layout = plan_layout(segments.length, alignment)
+    table = pack_module._segment_table(segments, layout, ids.shape[1], labels is None)
+    host, gather, pad_index = pack_module._pack_on_host(tokens, labels, loss_mask, table, 7, -100)
+    device, d_gather, d_pad_index, cu_padded, cu = pack_module._pack_on_device(
+        tokens, labels, loss_mask, table, layout, 7, -100
+    )
+    for h, d in zip(host, device, strict=True):
+        assert h.dtype == d.dtype and torch.equal(h, d)
+    assert torch.equal(torch.from_numpy(gather), d_gather) and torch.equal(
+        torch.from_numpy(pad_index), d_pad_index
+    )
+    assert cu_padded is layout.cu_seqlens_padded or torch.equal(cu_padded, layout.cu_seqlens_padded)
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     padded_batches(),
     st.sampled_from([torch.bool, torch.int64, torch.float32]),
