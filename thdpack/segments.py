@@ -305,10 +305,10 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
     A zero id on pad among these columns, or a negative id, also says "may" (the exact path then decides)."""
     if hi <= lo:
         return False
-    ids = _host(position_ids)[:, lo:hi]
-    if ids.numel() <= 1 << 16:  # small: numpy's lower per-call overhead wins; min <= 0 stands for "a zero"
-        return int(ids.numpy().min()) <= 0
-    return int(torch.count_nonzero(ids)) < ids.numel()  # large: torch counts on every intra-op thread
+    ids = _host(position_ids).numpy()[:, lo:hi]
+    if ids.size <= 1 << 16:  # small: numpy's lower per-call overhead wins; min <= 0 stands for "a zero"
+        return int(ids.min()) <= 0
+    return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size  # large: torch counts on every thread
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
