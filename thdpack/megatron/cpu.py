@@ -27,7 +27,9 @@ Patches (megatron-core file: function, and why):
 4. transformer/torch_norm.py: `WrappedTorchNorm` refuses `sequence_parallel` because it does not mark
    its weights; the local spec's sequence-parallel norm is Apex's (CUDA-only). We build the torch norm
    and mark its weights `sequence_parallel=True` like Apex/TE norms do, so `finalize_model_grads`
-   all-reduces their gradients over the tensor-parallel group.
+   all-reduces their gradients over the tensor-parallel group (`thdpack.megatron.norm`, whose `TorchNorm`
+   thdpack's own torch layer spec uses on any device; this patch covers Megatron's spec and the block's
+   final norm when Transformer Engine is absent).
 5. transformer/moe/token_dispatcher.py (alltoall dispatcher): `maybe_move_tensor_to_cpu(as_numpy=True)`
    only converts CUDA tensors, so on CPU the all-to-all split sizes stay tensors, which
    `all_to_all_single` rejects: convert CPU tensors to numpy as well.
@@ -44,7 +46,6 @@ batch_isend_irecv), so TP with sequence parallelism needs no fallback.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib
 import os
@@ -60,6 +61,8 @@ try:
     from megatron.core.tensor_parallel import random as mcore_random
 except ImportError as e:  # pragma: no cover
     raise ImportError("thdpack.megatron.cpu needs megatron-core: pip install megatron-core") from e
+
+from .norm import build_sequence_parallel_norm
 
 __all__ = [
     "CHECKED_MCORE_VERSIONS",
@@ -207,20 +210,14 @@ def _rng_state_on_cpu():
 
 def _allow_sequence_parallel_torch_norm():
     # torch_norm.py WrappedTorchNorm.__new__ asserts `not config.sequence_parallel` because it does
-    # not mark its weights; mark them as Apex's FusedLayerNorm and TENorm do.
+    # not mark its weights; mark them as Apex's FusedLayerNorm and TENorm do (thdpack.megatron.norm; our
+    # own layer spec uses its TorchNorm on any device, this covers Megatron's spec and final norm on CPU).
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     original = WrappedTorchNorm.__new__
 
     def __new__(cls, config, *args, **kwargs):
-        if not config.sequence_parallel:
-            return original(cls, config, *args, **kwargs)
-        config = copy.copy(config)  # a shallow copy: no __post_init__ validation
-        config.sequence_parallel = False
-        norm = original(cls, config, *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
+        return build_sequence_parallel_norm(functools.partial(original, cls), config, *args, **kwargs)
 
     WrappedTorchNorm.__new__ = __new__
 

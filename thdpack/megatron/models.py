@@ -10,6 +10,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from thdpack.attention import CORE_ATTENTION_BACKENDS, get_core_attention
 
+from .norm import use_torch_norm
+
 
 def gpt_layer_spec(
     backend: str = "torch",
@@ -21,7 +23,8 @@ def gpt_layer_spec(
 
     `"te"`: Megatron's `get_gpt_layer_with_transformer_engine_spec` (TE modules throughout, GPU).
     `"torch"`: Megatron's `get_gpt_layer_local_spec` with `core_attention` swapped for
-    `TorchTHDAttention` (the local `DotProductAttention` rejects packed batches).
+    `TorchTHDAttention` (the local `DotProductAttention` rejects packed batches) and, without Apex, its torch
+    norms for `TorchNorm` (which, unlike Megatron's, supports sequence parallelism).
     `spec_kwargs` go to the Megatron spec function (e.g. `qk_layernorm=True`).
     """
     from megatron.core.models.gpt import gpt_layer_specs
@@ -36,6 +39,7 @@ def gpt_layer_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **spec_kwargs
         )
         spec.submodules.self_attention.submodules.core_attention = get_core_attention("torch")
+        use_torch_norm(spec)  # without Apex: torch norms that also work with sequence parallelism
         return spec
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {CORE_ATTENTION_BACKENDS}")
 
