@@ -449,37 +449,20 @@ def _pack_on_host(
     ignore_index: int,
 ) -> tuple[tuple[torch.Tensor, ...], np.ndarray, np.ndarray]:
     """The host path: ``((tokens, labels, loss_mask, position_ids, padding_mask), gather, pad_index)``, the
-    outputs ``[T]`` tensors sharing memory with numpy arrays that numpy filled (cheaper per call than torch
-    at these sizes), ``gather`` and ``pad_index`` numpy for the other keys."""
+    outputs ``[T]`` tensors (numpy fills them where it can: cheaper per call than torch at these sizes),
+    ``gather`` and ``pad_index`` numpy for the other keys."""
     plan = _expand_on_host(table)
-    if tokens.dtype not in _NUMPY_DTYPES or not (labels is None or labels.dtype in _NUMPY_DTYPES):
-        # e.g. bfloat16 tokens or labels: torch gathers, with the plan's arrays
-        packed_tokens = _take(
-            tokens, torch.from_numpy(plan.gather), torch.from_numpy(plan.pad_index), pad_token_id
-        )
-        source = tokens if labels is None else labels
-        label_index, no_target = torch.from_numpy(plan.label_index), torch.from_numpy(plan.no_target)
-        packed_labels = _take(source, label_index, no_target, ignore_index).long().numpy()
-    else:
-        packed_tokens = torch.from_numpy(_take_host(tokens, plan.gather, plan.pad_index, pad_token_id))
-        source = tokens if labels is None else labels
-        packed_labels = _take_host(source, plan.label_index, plan.no_target, ignore_index).astype(
-            np.int64, copy=False
-        )
-    no_count = packed_labels == ignore_index
+    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
+    source = tokens if labels is None else labels
+    packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
+    no_count = packed_labels.numpy() == ignore_index
     if loss_mask is None:
         packed_loss_mask = torch.from_numpy(~no_count).float()
-    elif loss_mask.dtype in _NUMPY_DTYPES:
-        weight = loss_mask.reshape(-1).numpy().take(plan.gather)
-        np.putmask(weight, no_count, 0)
-        packed_loss_mask = torch.from_numpy(weight).float()
     else:
-        packed_loss_mask = _take(
-            loss_mask, torch.from_numpy(plan.gather), torch.from_numpy(no_count), 0
-        ).float()
+        packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
     outputs = (
         packed_tokens,
-        torch.from_numpy(packed_labels),
+        packed_labels,
         packed_loss_mask,
         torch.from_numpy(plan.position_ids),
         torch.from_numpy(plan.padding_mask),
@@ -509,14 +492,6 @@ def _pack_on_device(
         packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
     outputs = packed_tokens, packed_labels, packed_loss_mask, plan.position_ids, plan.padding_mask
     return outputs, plan.gather, plan.pad_index, cu_padded, cu
-
-
-def _take_host(x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: int) -> np.ndarray:
-    """``x.reshape(-1)[index]`` with ``value`` written at the positions ``fill``, in numpy."""
-    out = x.reshape(-1).numpy().take(index)
-    if fill.size:
-        out[fill] = value
-    return out
 
 
 def _expand_on_device(
