@@ -2,20 +2,27 @@
 
     python benchmarks/profile_pack.py                 # CPU batch
     python benchmarks/profile_pack.py --device cuda   # GPU batch: host mask -> segments, then the GPU batch
+    python benchmarks/profile_pack.py --phases        # median wall time of each step instead
 
 Prints per-call averages of the top operators by self CPU time and the number of kernel launches and
-host-to-device copies per call. Timing numbers belong to ``python -m thdpack.bench``; this shows the parts.
+host-to-device copies per call; with ``--phases``, the median time of each step of ``pack_bshd`` run alone
+(warm caches, so the steps need not add up to a whole call). Timing numbers belong to
+``python -m thdpack.bench``; this shows the parts.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import thdpack
+from thdpack import pack
 from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths
+from thdpack.layout import plan_layout
 
 # Runtime and driver entry points a kernel launch goes through (torch uses the first, Triton the driver API).
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -27,7 +34,12 @@ def main() -> None:
     parser.add_argument("--cases", type=parse_cases, default=parse_cases(DEFAULT_CASES))
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rows", type=int, default=20, help="operators listed per table")
+    parser.add_argument("--phases", action="store_true", help="median time of each step instead")
     args = parser.parse_args()
+    if args.phases:
+        for case in args.cases:
+            print_phases(case, args.device, args.calls)
+        return
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for case in args.cases:
@@ -56,6 +68,58 @@ def main() -> None:
             f"{copies / args.calls:.1f} cudaMemcpyAsync per call (host mask -> find_segments -> pack_bshd)"
         )
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def median_us(fn, calls: int, cuda: bool) -> float:
+    """Median wall time of ``fn()`` in microseconds; on CUDA the GPU is drained before and after each call."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(calls):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def print_phases(case, device: str, calls: int) -> None:
+    """Each step of ``pack_bshd`` on its own, on a batch built like the benchmark's."""
+    cuda = device == "cuda"
+    host = make_batch(sample_lengths(case.batch_size, case.seq_len, seed=0), case.seq_len, seed=0)
+    mask, position_ids = host["attention_mask"], host["position_ids"]
+    batch = {k: v.to(device) for k, v in host.items() if k != "attention_mask"}
+    alignment = thdpack.Alignment(cp_size=case.cp_size)
+    segments = thdpack.find_segments(mask, position_ids=position_ids)
+    layout = plan_layout(segments.length, alignment)
+    table = pack._segment_table(segments, layout, case.seq_len, derive_labels=False)
+    with_mask = {**batch, "attention_mask": mask.to(device)}
+    steps = {
+        "find_segments(host mask, position ids)": lambda: thdpack.find_segments(
+            mask, position_ids=position_ids
+        ),
+        "find_segments(host mask)": lambda: thdpack.find_segments(mask),
+        "Segments.check": lambda: segments.check(tuple(mask.shape)),
+        "plan_layout": lambda: plan_layout(segments.length, alignment),
+        "_segment_table": lambda: pack._segment_table(segments, layout, case.seq_len, derive_labels=False),
+        "pack_bshd(batch, segments=...)": lambda: thdpack.pack_bshd(
+            batch, alignment=alignment, segments=segments
+        ),
+        "pack_bshd(batch with mask)": lambda: thdpack.pack_bshd(with_mask, alignment=alignment),
+    }
+    if cuda:
+        steps["find_segments(GPU mask)"] = lambda: thdpack.find_segments(with_mask["attention_mask"])
+        steps["torch.cuda.synchronize()"] = torch.cuda.synchronize
+    else:
+        steps["_pack_on_host"] = lambda: pack._pack_on_host(
+            host["tokens"], host["labels"], host["loss_mask"], table, 0, -100
+        )
+    print(f"\n== {case.name} on {device}: T = {layout.total_tokens}, {len(segments)} samples")
+    for name, fn in steps.items():
+        print(f"  {name:42s} {median_us(fn, calls, cuda):9.1f} us")
 
 
 if __name__ == "__main__":
