@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import thdpack
 from thdpack import pack
-from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths
+from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths, time_ms
 from thdpack.layout import plan_layout
 
 # Runtime and driver entry points a kernel launch goes through (torch uses the first, Triton the driver API).
@@ -70,22 +69,6 @@ def main() -> None:
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
-def median_us(fn, calls: int, cuda: bool) -> float:
-    """Median wall time of ``fn()`` in microseconds; on CUDA the GPU is drained before and after each call."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(calls):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
-
-
 def print_phases(case, device: str, calls: int) -> None:
     """Each step of ``pack_bshd`` on its own, on a batch built like the benchmark's."""
     cuda = device == "cuda"
@@ -119,7 +102,8 @@ def print_phases(case, device: str, calls: int) -> None:
         )
     print(f"\n== {case.name} on {device}: T = {layout.total_tokens}, {len(segments)} samples")
     for name, fn in steps.items():
-        print(f"  {name:42s} {median_us(fn, calls, cuda):9.1f} us")
+        times = time_ms({name: fn}, repeats=calls, warmup=5, cuda=cuda)[name]
+        print(f"  {name:42s} {statistics.median(times) * 1e3:9.1f} us")
 
 
 if __name__ == "__main__":
