@@ -97,8 +97,8 @@ def print_phases(case, device: str, calls: int) -> None:
         steps["find_segments(GPU mask)"] = lambda: thdpack.find_segments(with_mask["attention_mask"])
         steps["torch.cuda.synchronize()"] = torch.cuda.synchronize
     else:
-        steps["_pack_on_host"] = lambda: pack._pack_on_host(
-            host["tokens"], host["labels"], host["loss_mask"], table, 0, -100
+        steps["host plan and gathers"] = lambda: pack._gather_outputs(
+            pack._expand_on_host(table), host["tokens"], host["labels"], host["loss_mask"], 0, -100
         )
     print(f"\n== {case.name} on {device}: T = {layout.total_tokens}, {len(segments)} samples")
     for name, fn in steps.items():

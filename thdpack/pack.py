@@ -266,12 +266,7 @@ def assemble(
     B, S = tokens.shape
     device = tokens.device
     table = _segment_table(segments, layout, S, derive_labels=labels is None)
-    if device.type == "cpu":
-        outputs, gather, pad_index = _pack_on_host(
-            tokens, labels, loss_mask, table, pad_token_id, ignore_index
-        )
-        cu_padded, cu = layout.cu_seqlens_padded, layout.cu_seqlens
-    elif fused_pack_available(tokens, labels, loss_mask):
+    if fused_pack_available(tokens, labels, loss_mask):
         # One kernel writes every output (see thdpack.fused); the table and boundaries go in one copy.
         arrays = [table.seg_start, table.shift, table.real_end, table.end_flag(), table.pad_index]
         (*by_segment, pad_index), cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
@@ -285,9 +280,12 @@ def assemble(
             ignore_index=ignore_index,
         )
     else:
-        outputs, gather, pad_index, cu_padded, cu = _pack_on_device(
-            tokens, labels, loss_mask, table, layout, pad_token_id, ignore_index
-        )
+        if device.type == "cpu":
+            plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
+        else:
+            plan, cu_padded, cu = _expand_on_device(table, layout, device)
+        outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
+        gather, pad_index = plan.gather, plan.pad_index
     packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
     return PackedBatch(
         tokens=packed_tokens.view(1, -1),
@@ -440,58 +438,29 @@ def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
     return _TokenPlan(gather, label_index, no_target, pad_index, pad, index)
 
 
-def _pack_on_host(
+def _gather_outputs(
+    plan: _TokenPlan,
     tokens: torch.Tensor,
     labels: torch.Tensor | None,
     loss_mask: torch.Tensor | None,
-    table: _SegmentTable,
     pad_token_id: int,
     ignore_index: int,
-) -> tuple[tuple[torch.Tensor, ...], np.ndarray, np.ndarray]:
-    """The host path: ``((tokens, labels, loss_mask, position_ids, padding_mask), gather, pad_index)``, the
-    outputs ``[T]`` tensors (numpy fills them where it can: cheaper per call than torch at these sizes),
-    ``gather`` and ``pad_index`` numpy for the other keys."""
-    plan = _expand_on_host(table)
+) -> tuple[torch.Tensor, ...]:
+    """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[T]``, from a
+    plan of numpy arrays (host batch: numpy gathers, cheaper per call there) or of tensors on the batch's
+    device (the torch path when the fused kernel cannot run)."""
     packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     source = tokens if labels is None else labels
     packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
-    no_count = packed_labels.numpy() == ignore_index
+    no_count = (
+        packed_labels.numpy() if isinstance(plan.gather, np.ndarray) else packed_labels
+    ) == ignore_index
     if loss_mask is None:
-        packed_loss_mask = torch.from_numpy(~no_count).float()
+        packed_loss_mask = torch.as_tensor(~no_count).float()
     else:
         packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-    outputs = (
-        packed_tokens,
-        packed_labels,
-        packed_loss_mask,
-        torch.from_numpy(plan.position_ids),
-        torch.from_numpy(plan.padding_mask),
-    )
-    return outputs, plan.gather, plan.pad_index
-
-
-def _pack_on_device(
-    tokens: torch.Tensor,
-    labels: torch.Tensor | None,
-    loss_mask: torch.Tensor | None,
-    table: _SegmentTable,
-    layout: PackLayout,
-    pad_token_id: int,
-    ignore_index: int,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch path on the batch's device (when the fused kernel cannot run): what :func:`_pack_on_host`
-    returns, as tensors there, and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there."""
-    plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
-    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
-    source = tokens if labels is None else labels
-    packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
-    no_count = packed_labels == ignore_index
-    if loss_mask is None:
-        packed_loss_mask = (~no_count).float()
-    else:
-        packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-    outputs = packed_tokens, packed_labels, packed_loss_mask, plan.position_ids, plan.padding_mask
-    return outputs, plan.gather, plan.pad_index, cu_padded, cu
+    position_ids, padding_mask = torch.as_tensor(plan.position_ids), torch.as_tensor(plan.padding_mask)
+    return packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask
 
 
 def _expand_on_device(

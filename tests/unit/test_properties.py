@@ -306,16 +306,15 @@ def test_device_torch_path_equals_host_path(data, alignment, with_labels, with_l
     segments = find_segments(ids)
     layout = plan_layout(segments.length, alignment)
     table = pack_module._segment_table(segments, layout, ids.shape[1], labels is None)
-    host, gather, pad_index = pack_module._pack_on_host(tokens, labels, loss_mask, table, 7, -100)
-    device, d_gather, d_pad_index, cu_padded, cu = pack_module._pack_on_device(
-        tokens, labels, loss_mask, table, layout, 7, -100
-    )
+    host_plan = pack_module._expand_on_host(table)
+    device_plan, cu_padded, _ = pack_module._expand_on_device(table, layout, torch.device("cpu"))
+    host = pack_module._gather_outputs(host_plan, tokens, labels, loss_mask, 7, -100)
+    device = pack_module._gather_outputs(device_plan, tokens, labels, loss_mask, 7, -100)
     for h, d in zip(host, device, strict=True):
         assert h.dtype == d.dtype and torch.equal(h, d)
-    assert torch.equal(torch.from_numpy(gather), d_gather) and torch.equal(
-        torch.from_numpy(pad_index), d_pad_index
-    )
-    assert cu_padded is layout.cu_seqlens_padded or torch.equal(cu_padded, layout.cu_seqlens_padded)
+    assert torch.equal(torch.from_numpy(host_plan.gather), device_plan.gather)
+    assert torch.equal(torch.from_numpy(host_plan.pad_index), device_plan.pad_index)
+    assert torch.equal(cu_padded, layout.cu_seqlens_padded)
 
 
 @settings(max_examples=60, deadline=None)
