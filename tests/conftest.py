@@ -10,7 +10,7 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         marker, reason = "cpu_only", "thdpack.megatron.cpu is for machines without CUDA"
     else:
-        marker, reason = "gpu", "needs a CUDA GPU (run on a GPU host; results are in the README)"
+        marker, reason = "gpu", "needs a CUDA GPU (run on a GPU host; results are in benchmarks/results)"
     for item in items:
         if marker in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
