@@ -341,7 +341,7 @@ def bench_case(case: Case, args, packer: Callable | None) -> list[dict]:
             "variant": variant,
             "main": variant != VARIANT_GPU_MASK,
             "thdpack_ms": ms,
-            "thdpack_pad_overhead": packed.total_tokens / packed.num_real_tokens,
+            "thdpack_pad_overhead": packed.layout.pad_overhead,
             "thdpack_times_ms": times,
             **bridge,
         }

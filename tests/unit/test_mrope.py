@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 
 from thdpack.context_parallel import cp_partition_indices
 from thdpack.megatron.mrope import (
@@ -14,9 +15,6 @@ from thdpack.megatron.mrope import (
     apply_rotary_per_token,
     mrope_frequencies,
 )
-
-rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
-rotary_pos_embedding = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
 
 KV_CHANNELS = 16
 SECTION = [2, 3, 3]  # sums to KV_CHANNELS // 2

@@ -238,7 +238,6 @@ def test_to_keeps_the_same_object_rule():
 
 
 def test_packed_seq_params_follow_the_te_fast_path_rule():
-    pytest.importorskip("megatron.core")
     fast = pack_bshd(design_example_batch()).packed_seq_params()
     assert fast.qkv_format == "thd"
     assert fast.cu_seqlens_q_padded is fast.cu_seqlens_q and fast.cu_seqlens_kv is fast.cu_seqlens_q
