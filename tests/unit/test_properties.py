@@ -267,6 +267,35 @@ def test_block_diagonal_attention_on_thd_equals_per_sample_attention(data, cp, m
     torch.testing.assert_close(out[real], expected[real], rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-1, 3), st.integers(-2, 6), st.integers(-1, 5)), min_size=1, max_size=5),
+    st.integers(1, 3),
+    st.integers(1, 6),
+)
+def test_segments_check_accepts_exactly_what_a_plain_loop_accepts(samples, B, S):
+    """Segments.check's vectorized fast path against the rule written out sample by sample."""
+    from thdpack import Segments
+
+    def valid() -> bool:
+        prev_end = None
+        for row, start, length in samples:
+            if not (0 <= row < B and start >= 0 and length >= 1 and start + length <= S):
+                return False
+            if prev_end is not None and row * S + start < prev_end:
+                return False
+            prev_end = row * S + start + length
+        return True
+
+    rows, starts, lengths = (torch.tensor(list(column)) for column in zip(*samples, strict=True))
+    segments = Segments(row=rows, start=starts, length=lengths)
+    if valid():
+        segments.check((B, S))
+    else:
+        with pytest.raises(ValueError, match="does not fit a batch|overlaps or precedes"):
+            segments.check((B, S))
+
+
 # ---------------------------------------------------------------- the GPU code paths, run on the CPU
 
 

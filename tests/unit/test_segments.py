@@ -83,6 +83,33 @@ def test_fractional_mask_value_is_an_error():
         find_segments(torch.tensor([[1.0, 0.5, 0.0]]))
 
 
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ([[1, 1, 1, 0], [1, 0, 0, 0]], [(0, 0, 3), (1, 0, 1)]),
+        ([[0, 0, 1, 1], [1, 1, 1, 1]], [(0, 2, 2), (1, 0, 4)]),
+        ([[1, 1, 2, 2], [3, 0, 0, 0]], [(0, 0, 2), (0, 2, 2), (1, 0, 1)]),
+        ([[1, 1, 0], [1, 1, -1]], "row 1 of attention_mask has value -1 at column 2"),
+        ([[1, 0, 1], [1, 1, 0]], "row 0 of attention_mask has a hole at column 1"),
+    ],
+)
+def test_integer_mask_checked_alike_by_torch_and_numpy_reductions(monkeypatch, rows, expected):
+    # Large host masks on hosts with several threads take torch's parallel reductions, small ones numpy's:
+    # both must find the same samples and the same errors.
+    from thdpack import segments as segments_module
+
+    mask = torch.tensor(rows)
+    for parallel in (False, True):
+        monkeypatch.setattr(segments_module, "_PARALLEL_MIN_ELEMENTS", 0 if parallel else 1 << 62)
+        monkeypatch.setattr(segments_module, "_PARALLEL_MIN_THREADS", 1)
+        assert segments_module._parallel_reduction(mask) is parallel
+        if isinstance(expected, str):
+            with pytest.raises(ValueError, match=expected):
+                find_segments(mask)
+        else:
+            assert as_tuples(find_segments(mask)) == expected
+
+
 def block_causal(seg_ids: list[int]) -> torch.Tensor:
     s = torch.tensor(seg_ids)
     n = len(seg_ids)
