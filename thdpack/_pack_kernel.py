@@ -9,16 +9,11 @@ def pack_kernel(
     tokens_ptr,
     labels_ptr,
     loss_mask_ptr,
-    seg_start_ptr,
-    shift_ptr,
-    real_end_ptr,
-    end_flag_ptr,
+    table_ptr,
     out_tokens_ptr,
-    out_labels_ptr,
+    out_long_ptr,
     out_loss_mask_ptr,
-    out_position_ptr,
     out_pad_ptr,
-    out_gather_ptr,
     T,
     M,
     pad_token_id,
@@ -30,18 +25,21 @@ def pack_kernel(
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = p < T
+    # The per-segment table: int64 rows seg_start, shift, real_end, end_flag of M entries each, read from the
+    # start of the uploaded buffer (whatever its element type).
+    table = table_ptr.to(tl.pointer_type(tl.int64))
     # The segment of p: the last one whose start is <= p (starts ascend from 0).
     lo = tl.zeros([BLOCK], dtype=tl.int64)
     hi = tl.full([BLOCK], M, dtype=tl.int64)
     for _ in tl.static_range(STEPS):
         mid = (lo + hi) // 2
-        go = tl.load(seg_start_ptr + mid, mask=valid & (mid < M), other=T) <= p
+        go = tl.load(table + mid, mask=valid & (mid < M), other=T) <= p
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
-    start = tl.load(seg_start_ptr + lo, mask=valid, other=0)
-    shift = tl.load(shift_ptr + lo, mask=valid, other=0)
-    real_end = tl.load(real_end_ptr + lo, mask=valid, other=0)
-    end_flag = tl.load(end_flag_ptr + lo, mask=valid, other=0)
+    start = tl.load(table + lo, mask=valid, other=0)
+    shift = tl.load(table + M + lo, mask=valid, other=0)
+    real_end = tl.load(table + 2 * M + lo, mask=valid, other=0)
+    end_flag = tl.load(table + 3 * M + lo, mask=valid, other=0)
 
     is_pad = p >= real_end
     real = valid & (p < real_end)
@@ -62,9 +60,10 @@ def pack_kernel(
         weight = tl.full([BLOCK], 1.0, dtype=tl.float32)
     weight = tl.where(label == ignore_index, 0.0, weight)
 
+    # out_long holds three [T] rows: labels, position ids, gather index.
     tl.store(out_tokens_ptr + p, token, mask=valid)
-    tl.store(out_labels_ptr + p, label, mask=valid)
+    tl.store(out_long_ptr + p, label, mask=valid)
+    tl.store(out_long_ptr + T + p, p - start, mask=valid)
+    tl.store(out_long_ptr + 2 * T + p, src, mask=valid)
     tl.store(out_loss_mask_ptr + p, weight, mask=valid)
-    tl.store(out_position_ptr + p, p - start, mask=valid)
     tl.store(out_pad_ptr + p, is_pad, mask=valid)
-    tl.store(out_gather_ptr + p, src, mask=valid)

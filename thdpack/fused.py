@@ -60,42 +60,42 @@ def fused_pack(
     tokens: torch.Tensor,
     labels: torch.Tensor | None,
     loss_mask: torch.Tensor | None,
-    seg_start: torch.Tensor,
-    shift: torch.Tensor,
-    real_end: torch.Tensor,
-    end_flag: torch.Tensor,
+    table: torch.Tensor,
+    num_segments: int,
     total_tokens: int,
     *,
     pad_token_id: int,
     ignore_index: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask, gather)``, each ``[T]``.
+    """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask, gather)``, each ``[1, T]``.
 
-    ``seg_start``, ``shift``, ``real_end`` and ``end_flag`` are int64 ``[M]`` on the batch's device: each
-    segment's packed start, flat source minus packed position, end of its real tokens, and 1 where its
-    last real token has no target. ``labels=None`` derives next-token labels. ``gather`` is the flat
-    source of each position (0 on pad), for other tensors gathered the same way.
+    ``table`` is a buffer on the batch's device whose first ``4 * M`` int64 values (``M = num_segments``) are
+    four rows: each segment's packed start, flat source minus packed position, end of its real tokens, and
+    1 where its last real token has no target. Its element type does not matter (the caller uploads the
+    table and the boundary arrays in one buffer, and the kernel reads the table from its start).
+    ``labels=None`` derives next-token labels. ``gather`` is the flat source of each position (0 on pad), for
+    other tensors gathered the same way.
+
+    Host cost is what this function is about (the kernel itself takes microseconds): three allocations, one
+    ``unbind`` and the launch, with no reshapes of the inputs when they are contiguous.
     """
-    device, T, M = tokens.device, total_tokens, seg_start.numel()
-    out_tokens = torch.empty(T, dtype=tokens.dtype, device=device)
-    out_long = torch.empty(3, T, dtype=torch.int64, device=device)  # labels, positions, gather
-    out_loss_mask = torch.empty(T, dtype=torch.float32, device=device)
-    out_pad = torch.empty(T, dtype=torch.bool, device=device)
-    flat = tokens.reshape(-1)
+    device, T, M = tokens.device, total_tokens, num_segments
+    # labels, position ids, gather (and the tokens, when they are int64) in one allocation.
+    long_rows = torch.empty(4 if tokens.dtype == torch.int64 else 3, 1, T, dtype=torch.int64, device=device)
+    out_labels, out_positions, out_gather, *out_tokens = long_rows.unbind(0)
+    out_tokens = out_tokens[0] if out_tokens else torch.empty(1, T, dtype=tokens.dtype, device=device)
+    out_loss_mask = torch.empty(1, T, dtype=torch.float32, device=device)
+    out_pad = torch.empty(1, T, dtype=torch.bool, device=device)
+    tokens = _contiguous(tokens)
     _kernel()[(-(-T // BLOCK),)](
-        flat,
-        flat if labels is None else labels.reshape(-1),
-        out_loss_mask if loss_mask is None else loss_mask.reshape(-1),
-        seg_start,
-        shift,
-        real_end,
-        end_flag,
+        tokens,
+        tokens if labels is None else _contiguous(labels),
+        out_loss_mask if loss_mask is None else _contiguous(loss_mask),
+        table,
         out_tokens,
-        out_long[0],
+        long_rows,
         out_loss_mask,
-        out_long[1],
         out_pad,
-        out_long[2],
         T,
         M,
         pad_token_id,
@@ -106,4 +106,9 @@ def fused_pack(
         HAS_LOSS_MASK=loss_mask is not None,
         BLOCK=BLOCK,
     )
-    return out_tokens, out_long[0], out_loss_mask, out_long[1], out_pad, out_long[2]
+    return out_tokens, out_labels, out_loss_mask, out_positions, out_pad, out_gather
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    # The kernel indexes the [B, S] inputs as flat arrays.
+    return t if t.is_contiguous() else t.contiguous()

@@ -267,41 +267,48 @@ def assemble(
     device = tokens.device
     table = _segment_table(segments, layout, S, derive_labels=labels is None)
     if fused_pack_available(tokens, labels, loss_mask):
-        # One kernel writes every output (see thdpack.fused); the table and boundaries go in one copy.
-        arrays = [table.seg_start, table.shift, table.real_end, table.end_flag(), table.pad_index]
-        (*by_segment, pad_index), cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
+        # One kernel writes every output (see thdpack.fused); the table and the boundaries go in one copy,
+        # and the kernel reads the table from the start of that buffer (no device-side views of it).
+        buffer, cu_padded, cu = _upload_with_boundaries(table.rows, layout, device)
         *outputs, gather = fused_pack(
             tokens,
             labels,
             loss_mask,
-            *by_segment,
+            buffer,
+            table.rows.shape[1],
             table.total_tokens,
             pad_token_id=pad_token_id,
             ignore_index=ignore_index,
         )
+        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
+        gather, fill = gather.view(-1), padding_mask.view(-1)
     else:
         if device.type == "cpu":
             plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
         else:
             plan, cu_padded, cu = _expand_on_device(table, layout, device)
         outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
-        gather, pad_index = plan.gather, plan.pad_index
-    packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
+        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = (
+            t.view(1, -1) for t in outputs
+        )
+        gather, fill = plan.gather, plan.pad_index
     return PackedBatch(
-        tokens=packed_tokens.view(1, -1),
-        labels=packed_labels.view(1, -1),
-        loss_mask=packed_loss_mask.view(1, -1),
-        position_ids=position_ids.view(1, -1),
+        tokens=packed_tokens,
+        labels=packed_labels,
+        loss_mask=packed_loss_mask,
+        position_ids=position_ids,
         cu_seqlens=cu,
         cu_seqlens_padded=cu_padded,
         max_seqlen=layout.max_seqlen,
-        padding_mask=padding_mask.view(1, -1),
+        padding_mask=padding_mask,
         segments=segments,
         layout=layout,
         mrope_position_ids=None
         if mrope is None
-        else pack_mrope_position_ids(mrope, torch.as_tensor(gather), padding_mask, position_ids),
-        extra={k: _take(v, gather, pad_index, 0).view(1, -1) for k, v in extra.items()},
+        else pack_mrope_position_ids(
+            mrope, torch.as_tensor(gather), padding_mask.view(-1), position_ids.view(-1)
+        ),
+        extra={k: _take(v, gather, fill, 0).view(1, -1) for k, v in extra.items()},
         source_shape=(B, S),
     )
 
@@ -356,30 +363,34 @@ class _TokenPlan(NamedTuple):
 
 
 class _SegmentTable(NamedTuple):
-    """The packed row per segment, host numpy int64: ``padded_length``, ``seg_start`` (packed position of
-    its first token) and ``shift`` (flat ``B * S`` source minus packed position) ``[M]``; and the short
-    position lists ``no_target`` and ``pad_index`` of :class:`_TokenPlan`."""
+    """The packed row per segment, host numpy int64: ``padded_length`` ``[M]``, the four ``rows`` ``[4, M]``
+    the fused kernel reads (``seg_start``: packed position of the segment's first token, ``shift``: flat
+    ``B * S`` source minus packed position, ``real_end``: end of its real tokens, ``end_flag``: 1 where its last
+    real token has no target); and the short position lists ``no_target`` and ``pad_index`` of
+    :class:`_TokenPlan`."""
 
     padded_length: np.ndarray
-    seg_start: np.ndarray
-    shift: np.ndarray
-    real_end: np.ndarray
+    rows: np.ndarray
     no_target: np.ndarray
     pad_index: np.ndarray
     total_tokens: int
     derive_labels: bool
-    crossing: np.ndarray  # bool [N - 1]: sample i is followed by sample i + 1 in the same source row
 
+    @property
+    def seg_start(self) -> np.ndarray:
+        return self.rows[0]
+
+    @property
+    def shift(self) -> np.ndarray:
+        return self.rows[1]
+
+    @property
+    def real_end(self) -> np.ndarray:
+        return self.rows[2]
+
+    @property
     def end_flag(self) -> np.ndarray:
-        """int64 ``[M]``: 1 where the segment's last real token has no target (every sample when labels are
-        derived, else the samples followed by another in their row)."""
-        flag = np.zeros_like(self.seg_start)
-        n = self.crossing.size + 1
-        if self.derive_labels:
-            flag[:n] = 1
-        else:
-            flag[: n - 1] = self.crossing
-        return flag
+        return self.rows[3]
 
 
 def _segment_table(
@@ -395,33 +406,38 @@ def _segment_table(
     """
     n, T = layout.num_samples, layout.total_tokens
     padded_length = layout.padded_lengths.numpy()
-    seg_start = layout.cu_seqlens_padded.numpy()[:-1].astype(np.int64)
+    # The rows are written in place, so that the fused path uploads them as they are.
+    rows = np.zeros((4, padded_length.size), dtype=np.int64)
+    seg_start, shift, real_end, end_flag = rows
+    seg_start[:] = layout.cu_seqlens_padded.numpy()[:-1]
     row, first, length = segments.row.numpy(), segments.start.numpy(), segments.length.numpy()
     num_pad = T - layout.num_real_tokens
     if num_pad:
-        real_end = seg_start.copy()
+        real_end[:] = seg_start
         real_end[:n] += length
-        shift = np.zeros_like(seg_start)
         shift[:n] = row * seq_len + first - seg_start[:n]
         pad_count = seg_start + padded_length - real_end
         pad_index = np.repeat(real_end - cumsum0(pad_count)[:-1], pad_count) + np.arange(num_pad)
     else:  # every segment is a sample and all of it real
-        real_end = seg_start + length
-        shift = row * seq_len + first - seg_start
+        np.add(seg_start, length, out=real_end)
+        np.subtract(row * seq_len + first, seg_start, out=shift)
         pad_index = np.zeros(0, dtype=np.int64)
     # Derived labels: every sample's last token has no target. Given labels: a sample followed by another in
     # its row has that sample's first token as its last token's label.
     last = real_end[:n] - 1
-    crossing = row[1:] == row[:-1]
-    sample_ends = last if derive_labels else last[:-1][crossing]
+    if derive_labels:
+        end_flag[:n] = 1
+        sample_ends = last
+    else:
+        crossing = row[1:] == row[:-1]
+        end_flag[: n - 1] = crossing
+        sample_ends = last[:-1][crossing]
     no_target = np.concatenate([sample_ends, pad_index]) if num_pad else sample_ends
-    return _SegmentTable(
-        padded_length, seg_start, shift, real_end, no_target, pad_index, T, derive_labels, crossing
-    )
+    return _SegmentTable(padded_length, rows, no_target, pad_index, T, derive_labels)
 
 
 def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
-    padded_length, seg_start, shift, _, no_target, pad_index, T, derive_labels, _ = table
+    padded_length, (seg_start, shift, _, _), no_target, pad_index, T, derive_labels = table
     index = np.arange(T)
     gather = shift.repeat(padded_length)
     gather += index
@@ -469,11 +485,9 @@ def _expand_on_device(
     """The plan on ``device`` and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there (one object when
     they are one on the host), all from one pinned copy."""
     seg_end = table.seg_start + table.padded_length
-    by_segment = np.stack([table.seg_start, table.shift])
-    arrays = [seg_end, by_segment, table.no_target, table.pad_index]
-    (seg_end, by_segment, no_target, pad_index), cu_padded, cu = _upload_with_boundaries(
-        arrays, layout, device
-    )
+    arrays = [seg_end, table.rows[:2], table.no_target, table.pad_index]
+    buffer, cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
+    seg_end, by_segment, no_target, pad_index = _views(buffer, arrays)
     T = table.total_tokens
     index = torch.arange(T, device=device)
     segment = torch.searchsorted(seg_end, index, right=True)  # the segment each position lies in
@@ -486,35 +500,51 @@ def _expand_on_device(
 
 
 def _upload_with_boundaries(
-    arrays: list[np.ndarray], layout: PackLayout, device: torch.device
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """:func:`_upload` of ``arrays`` and the layout's boundaries in one copy: ``(arrays, cu_seqlens_padded,
-    cu_seqlens)`` on ``device``, the two boundaries one object when they are one on the host."""
+    arrays: np.ndarray | list[np.ndarray], layout: PackLayout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One ``non_blocking`` copy of ``arrays`` followed by the layout's boundaries: ``(buffer,
+    cu_seqlens_padded, cu_seqlens)`` on ``device``. ``buffer`` holds ``arrays`` from its start, laid out as
+    :func:`_upload` says; the two boundaries are one object when they are one on the host."""
+    arrays = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
     same = layout.cu_seqlens is layout.cu_seqlens_padded
     boundaries = [layout.cu_seqlens_padded.numpy()] + ([] if same else [layout.cu_seqlens.numpy()])
-    uploaded = _upload(arrays + boundaries, device)
-    cu_padded = uploaded[len(arrays)]
-    return uploaded[: len(arrays)], cu_padded, cu_padded if same else uploaded[-1]
+    buffer = _upload(arrays + boundaries, device)
+    cu_padded, *cu = _views(buffer, arrays + boundaries, first=len(arrays))
+    return buffer, cu_padded, cu[0] if cu else cu_padded
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
-def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Copy small host arrays (int64/int32) to ``device`` in one ``non_blocking`` copy from pinned memory;
-    returns a device view of each, with its dtype and shape. Each array starts at an 8-byte boundary."""
-    offsets = cumsum0(np.array([-(-a.nbytes // 8) * 8 for a in arrays]))
+def _byte_offsets(arrays: list[np.ndarray]) -> list[int]:
+    """Where each array starts in an upload buffer (bytes; each at an 8-byte boundary) and, last, its size."""
+    offsets = [0]
+    for a in arrays:  # a handful of arrays: a Python loop costs less than numpy's per-call overhead here
+        offsets.append(offsets[-1] + -(-a.nbytes // 8) * 8)
+    return offsets
+
+
+def _upload(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """Copy small host arrays (int64/int32) to ``device`` in one ``non_blocking`` copy from pinned memory:
+    a uint8 buffer holding them one after another, each at an 8-byte boundary (:func:`_views` reads them)."""
+    offsets = _byte_offsets(arrays)
     # Pinned: from pageable memory cudaMemcpyAsync first waits for the stream to drain (a hidden sync that
     # torch's sync-debug mode does not report). torch's host allocator caches the buffers.
-    staging = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
     host = staging.numpy()
     for a, start in zip(arrays, offsets, strict=False):
         host[start : start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    on_device = staging.to(device, non_blocking=True)
-    return [
-        on_device[start : start + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-        for a, start in zip(arrays, offsets, strict=False)
-    ]
+    return staging.to(device, non_blocking=True)
+
+
+def _views(buffer: torch.Tensor, arrays: list[np.ndarray], first: int = 0) -> list[torch.Tensor]:
+    """A view of each of ``arrays[first:]`` in the buffer :func:`_upload` made of ``arrays``, with its dtype
+    and shape (each view costs host time, so only the ones asked for are made)."""
+    views = []
+    for a, start in zip(arrays[first:], _byte_offsets(arrays)[first:], strict=False):
+        view = buffer[start : start + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+        views.append(view if a.ndim == 1 else view.view(a.shape))
+    return views
 
 
 def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
@@ -556,7 +586,8 @@ def _unpack_index(packed: PackedBatch, device: torch.device) -> tuple[torch.Tens
     packed_start = layout.cu_seqlens_padded.numpy()[:n].astype(np.int64)
     source_start = segments.row.numpy() * packed.source_shape[1] + segments.start.numpy()
     # Per sample, position minus index among the real tokens; expanded on ``device`` after one small copy.
-    table, length = _upload([np.stack([packed_start - offset, source_start - offset]), length], device)
+    arrays = [np.stack([packed_start - offset, source_start - offset]), length]
+    table, length = _views(_upload(arrays, device), arrays)
     segment = torch.repeat_interleave(torch.arange(n, device=device), length, output_size=R)
     packed_pos, source_pos = table.index_select(1, segment) + torch.arange(R, device=device)
     return packed_pos, source_pos

@@ -11,7 +11,7 @@ import torch
 from thdpack import Alignment, find_segments, pack_bshd
 from thdpack.fused import fused_pack
 from thdpack.layout import plan_layout
-from thdpack.pack import _segment_table
+from thdpack.pack import _segment_table, _upload_with_boundaries
 
 IGNORE = -100
 
@@ -60,19 +60,17 @@ def main(n: int) -> int:
         expected = pack_bshd(batch, alignment=alignment)
 
         segments = find_segments(ids)
-        table = _segment_table(
-            segments, plan_layout(segments.length, alignment), ids.shape[1], labels is None
-        )
-        arrays = [
-            torch.from_numpy(a).to(device)
-            for a in (table.seg_start, table.shift, table.real_end, table.end_flag())
-        ]
+        layout = plan_layout(segments.length, alignment)
+        table = _segment_table(segments, layout, ids.shape[1], labels is None)
+        # The table in the buffer the packer uploads: its rows first, the boundary arrays after them.
+        buffer, _, _ = _upload_with_boundaries(table.rows, layout, torch.device(device))
         on = lambda t: None if t is None else t.to(device)  # noqa: E731
         got = fused_pack(
             on(tokens),
             on(labels),
             on(loss_mask),
-            *arrays,
+            buffer,
+            table.rows.shape[1],
             table.total_tokens,
             pad_token_id=0,
             ignore_index=IGNORE,
@@ -82,10 +80,11 @@ def main(n: int) -> int:
             name
             for name, tensor in zip(names, got, strict=False)
             if tensor.dtype != getattr(expected, name).dtype
-            or not torch.equal(tensor.cpu(), getattr(expected, name)[0])
+            or tensor.shape != getattr(expected, name).shape
+            or not torch.equal(tensor.cpu(), getattr(expected, name))
         ]
-        real = ~expected.padding_mask[0]
-        if not torch.equal(got[5].cpu()[real], expected.extra["source"][0][real]):
+        real = ~expected.padding_mask
+        if not torch.equal(got[5].cpu()[real], expected.extra["source"][real]):
             bad.append("gather")
         if bad:
             failures += 1
