@@ -10,13 +10,13 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from thdpack.megatron.models import gpt_layer_spec
+from thdpack.megatron.models import gpt_layer_spec, torch_block_spec
 from thdpack.megatron.norm import TorchNorm, build_sequence_parallel_norm
 
 
 def config(**overrides) -> TransformerConfig:
-    fields = {"tensor_model_parallel_size": 2, "sequence_parallel": True, **overrides}
-    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, **fields)
+    fields = {"num_layers": 1, "tensor_model_parallel_size": 2, "sequence_parallel": True, **overrides}
+    return TransformerConfig(hidden_size=8, num_attention_heads=2, **fields)
 
 
 def apex_present() -> bool:
@@ -57,14 +57,29 @@ def test_torch_layer_spec_uses_torch_norm_everywhere_megatron_would_use_wrapped_
     assert attention.q_layernorm is TorchNorm and attention.k_layernorm is TorchNorm
 
 
+@pytest.mark.skipif(apex_present(), reason="with Apex the local spec keeps Apex's norm")
+def test_torch_block_spec_builds_this_stages_layers_and_a_torch_final_norm(monkeypatch):
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
+    layer = gpt_layer_spec("torch")
+    cfg = config(num_layers=6, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    block = torch_block_spec(layer, cfg)
+    assert block.layer_specs == [layer] * 3 and block.layer_norm is TorchNorm
+
+
 def test_torch_norm_needs_no_cpu_support_patch():
-    # A fresh process where thdpack.megatron.cpu never ran: Megatron's own WrappedTorchNorm refuses sequence
-    # parallelism there, TorchNorm builds.
+    # A fresh process where thdpack.megatron.cpu never ran: Megatron's own WrappedTorchNorm (its layer spec's
+    # norm and, without TE and Apex, its block's final norm) refuses sequence parallelism there; the torch
+    # backend's norms, the final one included, build and are marked.
     code = textwrap.dedent(
         """
         import warnings; warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
         from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.spec_utils import build_module
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from thdpack.megatron.models import gpt_layer_spec, torch_block_spec
         from thdpack.megatron.norm import TorchNorm
         cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
                                 tensor_model_parallel_size=2, sequence_parallel=True)
@@ -75,10 +90,38 @@ def test_torch_norm_needs_no_cpu_support_patch():
             print("megatron refused")
         norm = TorchNorm(cfg, 8)
         print("thdpack marked", all(p.sequence_parallel for p in norm.parameters()))
+        parallel_state.get_pipeline_model_parallel_rank = lambda: 0
+        block = torch_block_spec(gpt_layer_spec("torch"), cfg)
+        final = build_module(block.layer_norm, config=cfg, hidden_size=8, eps=1e-5)
+        print("final norm marked", all(p.sequence_parallel for p in final.parameters()))
         """
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ)
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["megatron refused", "thdpack marked True"]
+    assert out.stdout.split("\n")[:3] == ["megatron refused", "thdpack marked True", "final norm marked True"]
+
+
+def test_moe_torch_spec_defines_the_routers_missing_te_gemm():
+    # A fresh process without Transformer Engine and without the CPU-support patch: Megatron's MoE router
+    # reads moe_utils.te_general_gemm, which only TE defines; the torch spec with experts defines it as None.
+    code = textwrap.dedent(
+        """
+        import warnings; warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe import moe_utils
+        from thdpack.megatron.models import gpt_layer_spec
+        print("before", hasattr(moe_utils, "te_general_gemm"))
+        gpt_layer_spec("torch")
+        print("dense", hasattr(moe_utils, "te_general_gemm"))
+        gpt_layer_spec("torch", num_experts=4)
+        print("moe", moe_utils.te_general_gemm)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+    )
+    assert out.returncode == 0, out.stderr
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed: moe_utils defines te_general_gemm itself")
+    assert out.stdout.split("\n")[:3] == ["before False", "dense False", "moe None"]

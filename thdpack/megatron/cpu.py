@@ -19,7 +19,8 @@ Patches (megatron-core file: function, and why):
    always synchronised) and `cuda.synchronize()` does nothing. `torch.cuda` itself is never touched.
    See `_CUDA_PINNED_MODULES` for the module list and the function in each that needs it.
 2. transformer/moe/moe_utils.py: `RouterGatingLinearFunction` reads the global `te_general_gemm`,
-   which is only defined when Transformer Engine imports: define it as None (plain torch.mm path).
+   which is only defined when Transformer Engine imports: define it as None (plain torch.mm path;
+   `thdpack.megatron.compat`, which the torch backend also applies on a GPU).
 3. tensor_parallel/random.py: `CudaRNGStatesTracker` and `model_parallel_cuda_manual_seed` keep
    CUDA generator states. `model_parallel_cpu_manual_seed` installs `CpuRNGStatesTracker` (same
    seeds, CPU generator), and `_get_cuda_rng_state` / `_set_cuda_rng_state` (used by activation
@@ -62,6 +63,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise ImportError("thdpack.megatron.cpu needs megatron-core: pip install megatron-core") from e
 
+from .compat import define_te_general_gemm
 from .norm import build_sequence_parallel_norm
 
 __all__ = [
@@ -186,15 +188,6 @@ def _pin_modules_to_cpu():
 # ---------------------------------------------------------------------------------------------
 
 
-def _define_te_general_gemm():
-    # moe_utils.py only defines te_general_gemm when Transformer Engine imports, but
-    # RouterGatingLinearFunction tests `te_general_gemm is not None` unconditionally.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _rng_state_on_cpu():
     # random.py _get/_set_cuda_rng_state (activation recompute saves and replays the device RNG)
     # call torch.cuda.random: on CPU the device generator is the CPU default generator.
@@ -300,7 +293,7 @@ def enable_cpu_support() -> None:
             stacklevel=2,
         )
     _pin_modules_to_cpu()
-    _define_te_general_gemm()
+    define_te_general_gemm()
     _rng_state_on_cpu()
     _allow_sequence_parallel_torch_norm()
     _split_sizes_as_numpy()

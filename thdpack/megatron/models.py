@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from thdpack.attention import CORE_ATTENTION_BACKENDS, get_core_attention
 
+from .compat import define_te_general_gemm
 from .norm import use_torch_norm
 
 
@@ -24,7 +25,8 @@ def gpt_layer_spec(
     `"te"`: Megatron's `get_gpt_layer_with_transformer_engine_spec` (TE modules throughout, GPU).
     `"torch"`: Megatron's `get_gpt_layer_local_spec` with `core_attention` swapped for
     `TorchTHDAttention` (the local `DotProductAttention` rejects packed batches) and, without Apex, its torch
-    norms for `TorchNorm` (which, unlike Megatron's, supports sequence parallelism).
+    norms for `TorchNorm` (which, unlike Megatron's, supports sequence parallelism). With experts, the MoE
+    router's missing `te_general_gemm` is defined (`thdpack.megatron.compat`).
     `spec_kwargs` go to the Megatron spec function (e.g. `qk_layernorm=True`).
     """
     from megatron.core.models.gpt import gpt_layer_specs
@@ -40,8 +42,35 @@ def gpt_layer_spec(
         )
         spec.submodules.self_attention.submodules.core_attention = get_core_attention("torch")
         use_torch_norm(spec)  # without Apex: torch norms that also work with sequence parallelism
+        if num_experts:
+            define_te_general_gemm()
         return spec
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {CORE_ATTENTION_BACKENDS}")
+
+
+def torch_block_spec(
+    layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None = None, pg_collection=None
+):
+    """The transformer block of this pipeline stage for a torch-backend layer spec: its layers, and a final
+    norm of the same class as the layers' norms.
+
+    Given a layer spec, Megatron's `TransformerBlock` picks the final norm itself: TE's when Transformer
+    Engine imports, else Apex's, else `WrappedTorchNorm`, which refuses sequence parallelism. The torch
+    backend's final norm is its layers' (`TorchNorm`, or Apex's where the spec has it), so TP + SP runs
+    without TE on any device.
+    """
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.utils import get_pg_rank
+
+    pp_group = getattr(pg_collection, "pp", None)
+    pp_rank = get_pg_rank(pp_group) if pp_group is not None else None
+    num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * num_layers, layer_norm=layer_spec.submodules.input_layernorm
+    )
 
 
 def build_gpt_model(
@@ -72,6 +101,8 @@ def build_gpt_model(
     spec = gpt_layer_spec(
         backend, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
     )
+    if backend == "torch":
+        spec = torch_block_spec(spec, config, model_kwargs.get("vp_stage"), model_kwargs.get("pg_collection"))
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
