@@ -114,11 +114,13 @@ def test_cross_sample_target_in_a_shared_row_is_masked():
     assert p.loss_mask.tolist() == [[1, 0, 1, 1, 1]]
 
 
-def test_given_loss_mask_is_gathered_and_zeroed_on_pad():
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8, torch.float32, torch.bfloat16])
+def test_given_loss_mask_is_gathered_and_zeroed_on_pad(dtype):
     batch = design_example_batch()
     batch["labels"] = batch["tokens"].roll(-1, 1)
-    batch["loss_mask"] = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
+    batch["loss_mask"] = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]]).to(dtype)
     p = pack_bshd(batch, alignment=Alignment(cp_size=2))
+    assert p.loss_mask.dtype == torch.float32
     assert p.loss_mask.tolist() == [[0, 1, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1]]
 
 
