@@ -115,14 +115,19 @@ class PackLayout:
         padded_lengths: torch.Tensor,
         attn_lengths: torch.Tensor,
         num_real_tokens: int | None = None,
+        *,
+        attn_is_padded: bool | None = None,
     ) -> PackLayout:
         """The layout of segments with these physical and attention lengths (int64 host ``[N]``, ``[M]``,
-        ``[M]``; the real samples first). ``num_real_tokens``: ``lengths.sum()``, if the caller knows it."""
+        ``[M]``; the real samples first). ``num_real_tokens``: ``lengths.sum()``, and ``attn_is_padded``:
+        whether the attention lengths equal the physical ones, if the caller knows them."""
         # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
         padded = padded_lengths.numpy()
         cu_padded = cumsum0(padded, np.int32)
         # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
-        same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
+        same = attn_is_padded
+        if same is None:
+            same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
         cu = cu_padded if same else cumsum0(attn_lengths.numpy(), np.int32)
         cu_padded_t = torch.from_numpy(cu_padded)
         return cls(
@@ -151,8 +156,9 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     a = alignment
     real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
     m = a.sample_multiple
+    num_real = int(real.sum())
     padded = real if m == 1 else (real + m - 1) // m * m
-    body = int(padded.sum())
+    body = num_real if m == 1 else int(padded.sum())
     total = -(-body // a.total_multiple) * a.total_multiple
     if a.pad_total_to is not None:
         if total > a.pad_total_to:
@@ -171,7 +177,9 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     padded_t = torch.from_numpy(padded)
     attn_t = padded_t if attn_is_physical else torch.from_numpy(attn)
     real_t = lengths if lengths.dtype == torch.int64 else torch.from_numpy(real)
-    return PackLayout.from_lengths(real_t, padded_t, attn_t, body if m == 1 else None)
+    # Each real length is at most its padded one, so the two agree exactly when their sums do.
+    same = attn_is_physical or body == num_real
+    return PackLayout.from_lengths(real_t, padded_t, attn_t, num_real, attn_is_padded=same)
 
 
 def cumsum0(x, dtype=None):

@@ -34,6 +34,20 @@ def test_cp2_distinct_pads_each_sample_to_2cp():
     assert p.rope_cu_seqlens is p.cu_seqlens_padded
 
 
+@pytest.mark.parametrize("tail", [0, 4])  # with a trailing pad segment (tp=6 under SP: total 12) and without
+def test_cp2_distinct_without_pad_between_samples_keeps_one_boundary_object(tail):
+    # Every sample already a multiple of 2cp: distinct mode pads nothing between samples, so the logical and
+    # physical boundaries are the same object (the TE fast-path rule).
+    batch = {
+        "tokens": torch.arange(1, 13).view(2, 6),
+        "attention_mask": torch.tensor([[1] * 4 + [0] * 2, [1] * 4 + [0] * 2]),
+    }
+    alignment = Alignment(cp_size=2, tp_size=6 if tail else 1, sequence_parallel=bool(tail))
+    p = pack_bshd(batch, alignment=alignment)
+    assert p.cu_seqlens_padded.tolist() == [0, 4, 8] + ([8 + tail] if tail else [])
+    assert p.cu_seqlens_padded is p.cu_seqlens
+
+
 def test_cp2_fold_makes_pad_part_of_its_sample():
     p = pack_bshd(design_example_batch(), alignment=Alignment(cp_size=2, mode="fold"))
     assert p.cu_seqlens.tolist() == [0, 4, 8, 12]
