@@ -370,27 +370,11 @@ class _SegmentTable(NamedTuple):
     :class:`_TokenPlan`."""
 
     padded_length: np.ndarray
-    rows: np.ndarray
+    rows: np.ndarray  # seg_start, shift, real_end, end_flag
     no_target: np.ndarray
     pad_index: np.ndarray
     total_tokens: int
     derive_labels: bool
-
-    @property
-    def seg_start(self) -> np.ndarray:
-        return self.rows[0]
-
-    @property
-    def shift(self) -> np.ndarray:
-        return self.rows[1]
-
-    @property
-    def real_end(self) -> np.ndarray:
-        return self.rows[2]
-
-    @property
-    def end_flag(self) -> np.ndarray:
-        return self.rows[3]
 
 
 def _segment_table(
@@ -484,8 +468,8 @@ def _expand_on_device(
 ) -> tuple[_TokenPlan, torch.Tensor, torch.Tensor]:
     """The plan on ``device`` and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there (one object when
     they are one on the host), all from one pinned copy."""
-    seg_end = table.seg_start + table.padded_length
-    arrays = [seg_end, table.rows[:2], table.no_target, table.pad_index]
+    seg_end = table.rows[0] + table.padded_length
+    arrays = [seg_end, table.rows[:2], table.no_target, table.pad_index]  # rows[:2]: seg_start, shift
     buffer, cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
     seg_end, by_segment, no_target, pad_index = _views(buffer, arrays)
     T = table.total_tokens
