@@ -334,7 +334,8 @@ def _parallel_reduction(mask: torch.Tensor) -> bool:
 
 def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
     """Whether some position id in columns ``[lo, hi)`` may be 0: there a real run may hold several samples.
-    A zero id on pad among these columns, or a negative id, also says "may" (the exact path then decides)."""
+    A zero id on pad among these columns also says "may", and so does a negative id in the small case (whose
+    check is ``min <= 0``); the exact path then decides, and splits runs at zeros only."""
     if hi <= lo:
         return False
     ids = _host(position_ids).numpy()[:, lo:hi]
