@@ -123,23 +123,48 @@ class PackLayout:
         whether the attention lengths equal the physical ones, if the caller knows them."""
         # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
         padded = padded_lengths.numpy()
+        if attn_is_padded is None:
+            attn_is_padded = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
+        if num_real_tokens is None:
+            num_real_tokens = int(lengths.numpy().sum())
+        return cls._of_arrays(lengths, padded_lengths, attn_lengths, num_real_tokens, attn_is_padded, padded)
+
+    @classmethod
+    def _of_arrays(
+        cls,
+        lengths: torch.Tensor,
+        padded_lengths: torch.Tensor,
+        attn_lengths: torch.Tensor,
+        num_real_tokens: int,
+        attn_is_padded: bool,
+        padded: np.ndarray,
+    ) -> PackLayout:
+        # ``padded``: ``padded_lengths`` as numpy (the callers have it); the boundaries' numpy arrays are kept
+        # in ``arrays`` for the packer, so that no tensor is converted back.
         cu_padded = cumsum0(padded, np.int32)
         # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
-        same = attn_is_padded
-        if same is None:
-            same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
-        cu = cu_padded if same else cumsum0(attn_lengths.numpy(), np.int32)
+        cu = cu_padded if attn_is_padded else cumsum0(attn_lengths.numpy(), np.int32)
         cu_padded_t = torch.from_numpy(cu_padded)
-        return cls(
+        layout = cls(
             lengths=lengths,
             padded_lengths=padded_lengths,
             attn_lengths=attn_lengths,
-            cu_seqlens=cu_padded_t if same else torch.from_numpy(cu),
+            cu_seqlens=cu_padded_t if attn_is_padded else torch.from_numpy(cu),
             cu_seqlens_padded=cu_padded_t,
             max_seqlen=int(padded.max()),
             total_tokens=int(cu_padded[-1]),
-            num_real_tokens=int(lengths.numpy().sum()) if num_real_tokens is None else num_real_tokens,
+            num_real_tokens=num_real_tokens,
         )
+        layout.__dict__["arrays"] = (padded, cu_padded, cu)  # what the cached property computes
+        return layout
+
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(padded_lengths, cu_seqlens_padded, cu_seqlens)`` as numpy arrays sharing the tensors' memory (the
+        two boundaries one array when they are one tensor): host work reads these, not the tensors."""
+        cu_padded = self.cu_seqlens_padded.numpy()
+        cu = cu_padded if self.cu_seqlens is self.cu_seqlens_padded else self.cu_seqlens.numpy()
+        return self.padded_lengths.numpy(), cu_padded, cu
 
     @property
     def num_samples(self) -> int:
@@ -179,7 +204,7 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     real_t = lengths if lengths.dtype == torch.int64 else torch.from_numpy(real)
     # Each real length is at most its padded one, so the two agree exactly when their sums do.
     same = attn_is_physical or body == num_real
-    return PackLayout.from_lengths(real_t, padded_t, attn_t, num_real, attn_is_padded=same)
+    return PackLayout._of_arrays(real_t, padded_t, attn_t, num_real, same, padded)
 
 
 def cumsum0(x, dtype=None):

@@ -288,9 +288,7 @@ def assemble(
         else:
             plan, cu_padded, cu = _expand_on_device(table, layout, device)
         outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
-        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = (
-            t.view(1, -1) for t in outputs
-        )
+        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
         gather, fill = plan.gather, plan.pad_index
     return PackedBatch(
         tokens=packed_tokens,
@@ -308,7 +306,7 @@ def assemble(
         else pack_mrope_position_ids(
             mrope, torch.as_tensor(gather), padding_mask.view(-1), position_ids.view(-1)
         ),
-        extra={k: _take(v, gather, fill, 0).view(1, -1) for k, v in extra.items()},
+        extra={k: _take(v, gather, fill, 0) for k, v in extra.items()},
         source_shape=(B, S),
     )
 
@@ -389,12 +387,12 @@ def _segment_table(
     positions.
     """
     n, T = layout.num_samples, layout.total_tokens
-    padded_length = layout.padded_lengths.numpy()
+    padded_length, cu_padded, _ = layout.arrays
     # The rows are written in place, so that the fused path uploads them as they are.
     rows = np.zeros((4, padded_length.size), dtype=np.int64)
     seg_start, shift, real_end, end_flag = rows
-    seg_start[:] = layout.cu_seqlens_padded.numpy()[:-1]
-    row, first, length = segments.row.numpy(), segments.start.numpy(), segments.length.numpy()
+    seg_start[:] = cu_padded[:-1]
+    row, first, length = segments.arrays
     num_pad = T - layout.num_real_tokens
     if num_pad:
         real_end[:] = seg_start
@@ -446,7 +444,7 @@ def _gather_outputs(
     pad_token_id: int,
     ignore_index: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[T]``, from a
+    """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[1, T]``, from a
     plan of numpy arrays (host batch: numpy gathers, cheaper per call there) or of tensors on the batch's
     device (the torch path when the fused kernel cannot run)."""
     packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
@@ -456,10 +454,14 @@ def _gather_outputs(
         packed_labels.numpy() if isinstance(plan.gather, np.ndarray) else packed_labels
     ) == ignore_index
     if loss_mask is None:
-        packed_loss_mask = torch.as_tensor(~no_count).float()
+        packed_loss_mask = torch.as_tensor(~no_count).float()  # [1, T], like no_count
     else:
         packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-    position_ids, padding_mask = torch.as_tensor(plan.position_ids), torch.as_tensor(plan.padding_mask)
+    if isinstance(plan.gather, np.ndarray):
+        position_ids = torch.from_numpy(plan.position_ids.reshape(1, -1))
+        padding_mask = torch.from_numpy(plan.padding_mask.reshape(1, -1))
+    else:
+        position_ids, padding_mask = plan.position_ids.view(1, -1), plan.padding_mask.view(1, -1)
     return packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask
 
 
@@ -490,8 +492,8 @@ def _upload_with_boundaries(
     cu_seqlens_padded, cu_seqlens)`` on ``device``. ``buffer`` holds ``arrays`` from its start, laid out as
     :func:`_upload` says; the two boundaries are one object when they are one on the host."""
     arrays = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
-    same = layout.cu_seqlens is layout.cu_seqlens_padded
-    boundaries = [layout.cu_seqlens_padded.numpy()] + ([] if same else [layout.cu_seqlens.numpy()])
+    _, cu_padded, cu = layout.arrays
+    boundaries = [cu_padded] if cu is cu_padded else [cu_padded, cu]
     buffer = _upload(arrays + boundaries, device)
     cu_padded, *cu = _views(buffer, arrays + boundaries, first=len(arrays))
     return buffer, cu_padded, cu[0] if cu else cu_padded
@@ -532,22 +534,27 @@ def _views(buffer: torch.Tensor, arrays: list[np.ndarray], first: int = 0) -> li
 
 
 def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
-    """``x.reshape(-1)[index]`` with ``value`` written at ``fill`` (positions, or a bool mask over the
-    result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see :func:`_segment_table`);
-    on a GPU they are tensors."""
+    """``x.reshape(-1)[index]`` as ``[1, T]``, with ``value`` written at ``fill`` (positions, or a bool mask over
+    the result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see
+    :func:`_segment_table`); on a GPU they are tensors."""
     flat = x.reshape(-1)
     if isinstance(index, np.ndarray):
         if flat.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
             return _take(flat, torch.from_numpy(index), torch.from_numpy(fill), value)
-        out = flat.numpy().take(index)
+        out = flat.numpy().take(index).reshape(1, -1)  # numpy's reshape costs less than a view of the tensor
         if fill.dtype == np.bool_:
             # copyto skips runs of False quickly (measured: 8.6 against putmask's 55 us at 64x8192)
             np.copyto(out, value, where=fill, casting="unsafe")
         elif fill.size:
-            out[fill] = value
+            out[0, fill] = value
         return torch.from_numpy(out)
     out = flat.index_select(0, index)
-    return out.masked_fill_(fill, value) if fill.dtype == torch.bool else out.index_fill_(0, fill, value)
+    out = (
+        out.masked_fill_(fill.view(-1), value)
+        if fill.dtype == torch.bool
+        else out.index_fill_(0, fill, value)
+    )
+    return out.view(1, -1)
 
 
 _NUMPY_DTYPES = {
@@ -566,10 +573,10 @@ def _unpack_index(packed: PackedBatch, device: torch.device) -> tuple[torch.Tens
     """``(packed position, flat source position)`` of every real token, int64 ``[R]`` each, on ``device``."""
     segments, layout = packed.segments, packed.layout
     n, R = len(segments), layout.num_real_tokens
-    length = segments.length.numpy()
+    row, start, length = segments.arrays
     offset = cumsum0(length)[:-1]  # index of each sample's first token among the real tokens
-    packed_start = layout.cu_seqlens_padded.numpy()[:n].astype(np.int64)
-    source_start = segments.row.numpy() * packed.source_shape[1] + segments.start.numpy()
+    packed_start = layout.arrays[1][:n].astype(np.int64)
+    source_start = row * packed.source_shape[1] + start
     # Per sample, position minus index among the real tokens; expanded on ``device`` after one small copy.
     arrays = [np.stack([packed_start - offset, source_start - offset]), length]
     table, length = _views(_upload(arrays, device), arrays)

@@ -1,5 +1,8 @@
 """pack_bshd / unpack_thd / PackedBatch on small hand-written batches."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +56,24 @@ def test_cp2_fold_makes_pad_part_of_its_sample():
     assert p.cu_seqlens.tolist() == [0, 4, 8, 12]
     assert p.cu_seqlens_padded is p.cu_seqlens
     assert p.padding_mask.int().tolist() == [[0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("mode", ["distinct", "fold"])
+def test_host_arrays_are_the_tensors_memory(mode):
+    # Host work reads Segments.arrays and PackLayout.arrays instead of converting tensors; what find_segments and
+    # plan_layout prime must be the tensors' own memory, and a copy made another way (dataclasses.replace)
+    # computes the same from its tensors.
+    p = pack_bshd(design_example_batch(), alignment=Alignment(cp_size=2, mode=mode))
+    layout = p.layout
+    for made in (p.segments, dataclasses.replace(p.segments)):
+        for array, tensor in zip(made.arrays, (made.row, made.start, made.length), strict=True):
+            assert np.shares_memory(array, tensor.numpy()) and array.tolist() == tensor.tolist()
+    for made in (layout, dataclasses.replace(layout)):
+        padded, cu_padded, cu = made.arrays
+        tensors = (made.padded_lengths, made.cu_seqlens_padded, made.cu_seqlens)
+        for array, tensor in zip((padded, cu_padded, cu), tensors, strict=True):
+            assert np.shares_memory(array, tensor.numpy()) and array.tolist() == tensor.tolist()
+        assert (cu is cu_padded) == (made.cu_seqlens is made.cu_seqlens_padded) == (mode == "fold")
 
 
 def test_boundary_arrays_are_int32_and_tokens_int64():
