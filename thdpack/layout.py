@@ -110,24 +110,15 @@ class PackLayout:
 
     @classmethod
     def from_lengths(
-        cls,
-        lengths: torch.Tensor,
-        padded_lengths: torch.Tensor,
-        attn_lengths: torch.Tensor,
-        num_real_tokens: int | None = None,
-        *,
-        attn_is_padded: bool | None = None,
+        cls, lengths: torch.Tensor, padded_lengths: torch.Tensor, attn_lengths: torch.Tensor
     ) -> PackLayout:
         """The layout of segments with these physical and attention lengths (int64 host ``[N]``, ``[M]``,
-        ``[M]``; the real samples first). ``num_real_tokens``: ``lengths.sum()``, and ``attn_is_padded``:
-        whether the attention lengths equal the physical ones, if the caller knows them."""
+        ``[M]``; the real samples first)."""
         # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
         padded = padded_lengths.numpy()
-        if attn_is_padded is None:
-            attn_is_padded = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
-        if num_real_tokens is None:
-            num_real_tokens = int(lengths.numpy().sum())
-        return cls._of_arrays(lengths, padded_lengths, attn_lengths, num_real_tokens, attn_is_padded, padded)
+        same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
+        num_real = int(lengths.numpy().sum())
+        return cls._of_arrays(lengths, padded_lengths, attn_lengths, num_real, same, padded)
 
     @classmethod
     def _of_arrays(
@@ -139,8 +130,9 @@ class PackLayout:
         attn_is_padded: bool,
         padded: np.ndarray,
     ) -> PackLayout:
-        # ``padded``: ``padded_lengths`` as numpy (the callers have it); the boundaries' numpy arrays are kept
-        # in ``arrays`` for the packer, so that no tensor is converted back.
+        # ``from_lengths`` with what the caller already knows: ``num_real_tokens`` (``lengths.sum()``),
+        # ``attn_is_padded`` (attention lengths equal to the physical ones) and ``padded`` (``padded_lengths`` as
+        # numpy). The boundaries' numpy arrays are kept in ``arrays``, so that no tensor is converted back.
         cu_padded = cumsum0(padded, np.int32)
         # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
         cu = cu_padded if attn_is_padded else cumsum0(attn_lengths.numpy(), np.int32)

@@ -447,17 +447,16 @@ def _gather_outputs(
     """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[1, T]``, from a
     plan of numpy arrays (host batch: numpy gathers, cheaper per call there) or of tensors on the batch's
     device (the torch path when the fused kernel cannot run)."""
+    on_host = isinstance(plan.gather, np.ndarray)
     packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     source = tokens if labels is None else labels
     packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
-    no_count = (
-        packed_labels.numpy() if isinstance(plan.gather, np.ndarray) else packed_labels
-    ) == ignore_index
+    no_count = (packed_labels.numpy() if on_host else packed_labels) == ignore_index
     if loss_mask is None:
         packed_loss_mask = torch.as_tensor(~no_count).float()  # [1, T], like no_count
     else:
         packed_loss_mask = _take(loss_mask, plan.gather, no_count, 0).float()
-    if isinstance(plan.gather, np.ndarray):
+    if on_host:
         position_ids = torch.from_numpy(plan.position_ids.reshape(1, -1))
         padding_mask = torch.from_numpy(plan.padding_mask.reshape(1, -1))
     else:

@@ -353,7 +353,10 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
     check is ``min <= 0``); the exact path then decides, and splits runs at zeros only."""
     if hi <= lo:
         return False
-    ids = _host(position_ids).numpy()[:, lo:hi]
+    if position_ids.device.type == "cpu":
+        ids = position_ids.numpy()[:, lo:hi]
+    else:  # only these columns come to the host
+        ids = position_ids[:, lo:hi].cpu().numpy()
     if ids.size <= 1 << 16:  # small: numpy's lower per-call overhead wins; min <= 0 stands for "a zero"
         return int(ids.min()) <= 0
     return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size  # large: torch counts on every thread

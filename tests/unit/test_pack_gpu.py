@@ -52,3 +52,17 @@ def test_find_segments_on_a_gpu_mask_matches_the_host():
     host = batch()["attention_mask"]
     a, b = find_segments(host), find_segments(host.cuda())
     assert torch.equal(a.row, b.row) and torch.equal(a.start, b.start) and torch.equal(a.length, b.length)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_host_mask_with_gpu_position_ids_matches_the_host(restart):
+    # A host mask with position ids on the GPU: the restart check brings only the columns it reads to the host,
+    # and the samples are those of the all-host call (with restarts: HF-flattening style, split at zeros).
+    mask = batch()["attention_mask"]
+    positions = torch.arange(mask.shape[1]).expand_as(mask).clone()
+    if restart:
+        positions[:, 7:] -= 7  # a second sample starts at column 7 of every row long enough
+    a = find_segments(mask, position_ids=positions)
+    b = find_segments(mask, position_ids=positions.cuda())
+    assert torch.equal(a.row, b.row) and torch.equal(a.start, b.start) and torch.equal(a.length, b.length)
+    assert (len(a) > mask.shape[0]) == restart
