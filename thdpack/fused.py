@@ -46,7 +46,7 @@ def fused_pack_available(
     tokens: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None
 ) -> bool:
     """Whether :func:`fused_pack` handles this batch (CUDA, Triton, integer tokens/labels, float loss mask)."""
-    if tokens.device.type != "cuda" or os.environ.get("THDPACK_FUSED", "1") == "0" or not _triton_imports():
+    if not tokens.is_cuda or os.environ.get("THDPACK_FUSED", "1") == "0" or not _triton_imports():
         return False
     integer = (torch.int64, torch.int32)
     return (

@@ -264,12 +264,11 @@ def assemble(
     Shared by :func:`pack_bshd` and :func:`thdpack.from_packed_batch`; inputs are assumed validated.
     """
     B, S = tokens.shape
-    device = tokens.device
     table = _segment_table(segments, layout, S, derive_labels=labels is None)
     if fused_pack_available(tokens, labels, loss_mask):
         # One kernel writes every output (see thdpack.fused); the table and the boundaries go in one copy,
         # and the kernel reads the table from the start of that buffer (no device-side views of it).
-        buffer, cu_padded, cu = _upload_with_boundaries(table.rows, layout, device)
+        buffer, cu_padded, cu = _upload_with_boundaries(table.rows, layout, tokens.device)
         *outputs, gather = fused_pack(
             tokens,
             labels,
@@ -283,10 +282,10 @@ def assemble(
         packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
         gather, fill = gather.view(-1), padding_mask.view(-1)
     else:
-        if device.type == "cpu":
+        if tokens.is_cpu:
             plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
         else:
-            plan, cu_padded, cu = _expand_on_device(table, layout, device)
+            plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
         outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
         packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
         gather, fill = plan.gather, plan.pad_index
@@ -536,18 +535,18 @@ def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     """``x.reshape(-1)[index]`` as ``[1, T]``, with ``value`` written at ``fill`` (positions, or a bool mask over
     the result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see
     :func:`_segment_table`); on a GPU they are tensors."""
-    flat = x.reshape(-1)
     if isinstance(index, np.ndarray):
-        if flat.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
-            return _take(flat, torch.from_numpy(index), torch.from_numpy(fill), value)
-        out = flat.numpy().take(index).reshape(1, -1)  # numpy's reshape costs less than a view of the tensor
+        if x.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
+            return _take(x, torch.from_numpy(index), torch.from_numpy(fill), value)
+        # take() without an axis reads the array flattened in row-major order, as x.reshape(-1) would be.
+        out = x.numpy().take(index).reshape(1, -1)  # numpy's reshape costs less than a view of the tensor
         if fill.dtype == np.bool_:
             # copyto skips runs of False quickly (measured: 8.6 against putmask's 55 us at 64x8192)
             np.copyto(out, value, where=fill, casting="unsafe")
         elif fill.size:
             out[0, fill] = value
         return torch.from_numpy(out)
-    out = flat.index_select(0, index)
+    out = x.reshape(-1).index_select(0, index)
     out = (
         out.masked_fill_(fill.view(-1), value)
         if fill.dtype == torch.bool

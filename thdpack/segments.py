@@ -65,7 +65,7 @@ class Segments:
         B, S = batch_shape
         for name in ("row", "start", "length"):
             t = getattr(self, name)
-            if t.device.type != "cpu" or t.dtype != torch.int64 or t.dim() != 1:
+            if not t.is_cpu or t.dtype != torch.int64 or t.dim() != 1:
                 raise ValueError(
                     f"Segments.{name} must be a 1-D int64 host tensor, got {t.dtype} on {t.device}"
                 )
@@ -200,11 +200,11 @@ def find_segments(
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     # One device-to-host copy at most per input tensor; a host tensor is returned as is.
-    return t if t.device.type == "cpu" else t.cpu()
+    return t if t.is_cpu else t.cpu()
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != tuple(shape):  # torch.Size is a tuple
         raise ValueError(f"{name} has shape {list(t.shape)} but the batch is {list(shape)}")
 
 
@@ -236,7 +236,7 @@ def _row_runs(
     decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
     and on holes.
     """
-    row_stats = _row_stats_host if mask.device.type == "cpu" else _row_stats_device
+    row_stats = _row_stats_host if mask.is_cpu else _row_stats_device
     first, length, holes, restarts, negative, above_one, fractional = row_stats(mask, position_ids)
     if negative or fractional:
         _check_integral_nonnegative("attention_mask", _host(mask))
@@ -282,7 +282,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
             # One pass decides the common case: read as unsigned, a negative value is huge, so every value is 0
             # or 1 iff the maximum is at most 1.
             m = mask.numpy()
-            if int(m.view(f"u{m.itemsize}").max()) > 1:
+            if int(m.view(_UNSIGNED[m.itemsize]).max()) > 1:
                 lo, hi = (int(v) for v in torch.aminmax(mask))
                 negative, above_one = lo < 0, hi > 1
         real = mask.bool()
@@ -334,6 +334,9 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     return first, length, holes, restarts, False, False, False
 
 
+# Unsigned integers of each width, to read an integer mask as unsigned.
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
 # A full pass over a large host mask: torch's reductions run on every intra-op thread, numpy's max on one.
 # Measured (64x8192 int64 mask): on a 16-core GPU host torch.aminmax took 31 us with 16 threads, 83 with 4,
 # 311 with 1, against numpy's 122-167 us; on a 2-core machine 76 against 43 us; at 8x8192 numpy won
@@ -353,10 +356,8 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
     check is ``min <= 0``); the exact path then decides, and splits runs at zeros only."""
     if hi <= lo:
         return False
-    if position_ids.device.type == "cpu":
-        ids = position_ids.numpy()[:, lo:hi]
-    else:  # only these columns come to the host
-        ids = position_ids[:, lo:hi].cpu().numpy()
+    # From a GPU, only these columns come to the host.
+    ids = position_ids.numpy()[:, lo:hi] if position_ids.is_cpu else position_ids[:, lo:hi].cpu().numpy()
     if ids.size <= 1 << 16:  # small: numpy's lower per-call overhead wins; min <= 0 stands for "a zero"
         return int(ids.min()) <= 0
     return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size  # large: torch counts on every thread

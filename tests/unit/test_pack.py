@@ -173,6 +173,28 @@ def test_extra_bsh_tensors_are_gathered_like_tokens():
     assert p.extra["weights"].tolist() == [[0, 1, 2, 0, 4, 5, 0, 0, 8, 9, 10, 11]]
 
 
+@pytest.mark.parametrize("view", ["strided", "transposed"])
+def test_non_contiguous_inputs_are_read_in_row_major_order(view):
+    batch = design_example_batch()
+    batch["labels"] = batch["tokens"] + 100
+    batch["loss_mask"] = torch.arange(12.0).view(3, 4)
+    batch["weights"] = torch.arange(12.0).view(3, 4).to(torch.bfloat16)  # gathered by torch, not numpy
+
+    def non_contiguous(t):
+        if view == "strided":
+            wide = torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype)
+            wide[:, ::2] = t
+            return wide[:, ::2]
+        return t.t().contiguous().t()
+
+    given = {k: non_contiguous(v) for k, v in batch.items()}
+    assert not any(t.is_contiguous() for t in given.values())
+    expected = pack_bshd(batch, alignment=Alignment(cp_size=2))
+    got = pack_bshd(given, alignment=Alignment(cp_size=2))
+    for name, t in expected.token_tensors().items():
+        assert torch.equal(got.token_tensors()[name], t), name
+
+
 def test_input_ids_is_accepted_for_tokens():
     batch = design_example_batch()
     batch["input_ids"] = batch.pop("tokens")
