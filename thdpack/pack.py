@@ -268,7 +268,7 @@ def assemble(
     if fused_pack_available(tokens, labels, loss_mask):
         # One kernel writes every output (see thdpack.fused); the table and the boundaries go in one copy,
         # and the kernel reads the table from the start of that buffer (no device-side views of it).
-        buffer, cu_padded, cu = _upload_with_boundaries(table.rows, layout, tokens.device)
+        buffer, _, cu_padded, cu = _upload_with_boundaries([table.rows], layout, tokens.device)
         *outputs, gather = fused_pack(
             tokens,
             labels,
@@ -280,7 +280,7 @@ def assemble(
             ignore_index=ignore_index,
         )
         packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
-        gather, fill = gather.view(-1), padding_mask.view(-1)
+        fill = padding_mask  # gather and fill are [1, T] here; _take and the MRoPE gather flatten them
     else:
         if tokens.is_cpu:
             plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
@@ -303,7 +303,7 @@ def assemble(
         mrope_position_ids=None
         if mrope is None
         else pack_mrope_position_ids(
-            mrope, torch.as_tensor(gather), padding_mask.view(-1), position_ids.view(-1)
+            mrope, torch.as_tensor(gather).view(-1), padding_mask.view(-1), position_ids.view(-1)
         ),
         extra={k: _take(v, gather, fill, 0) for k, v in extra.items()},
         source_shape=(B, S),
@@ -470,8 +470,8 @@ def _expand_on_device(
     they are one on the host), all from one pinned copy."""
     seg_end = table.rows[0] + table.padded_length
     arrays = [seg_end, table.rows[:2], table.no_target, table.pad_index]  # rows[:2]: seg_start, shift
-    buffer, cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
-    seg_end, by_segment, no_target, pad_index = _views(buffer, arrays)
+    buffer, offsets, cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
+    seg_end, by_segment, no_target, pad_index = _views(buffer, arrays, offsets)
     T = table.total_tokens
     index = torch.arange(T, device=device)
     segment = torch.searchsorted(seg_end, index, right=True)  # the segment each position lies in
@@ -484,48 +484,44 @@ def _expand_on_device(
 
 
 def _upload_with_boundaries(
-    arrays: np.ndarray | list[np.ndarray], layout: PackLayout, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One ``non_blocking`` copy of ``arrays`` followed by the layout's boundaries: ``(buffer,
-    cu_seqlens_padded, cu_seqlens)`` on ``device``. ``buffer`` holds ``arrays`` from its start, laid out as
-    :func:`_upload` says; the two boundaries are one object when they are one on the host."""
-    arrays = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
+    arrays: list[np.ndarray], layout: PackLayout, device: torch.device
+) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+    """One ``non_blocking`` copy of ``arrays`` followed by the layout's boundaries: ``(buffer, offsets,
+    cu_seqlens_padded, cu_seqlens)`` on ``device``, ``buffer`` and ``offsets`` as :func:`_upload` returns them
+    (``arrays`` from the buffer's start); the two boundaries are one object when they are one on the host."""
     _, cu_padded, cu = layout.arrays
     boundaries = [cu_padded] if cu is cu_padded else [cu_padded, cu]
-    buffer = _upload(arrays + boundaries, device)
-    cu_padded, *cu = _views(buffer, arrays + boundaries, first=len(arrays))
-    return buffer, cu_padded, cu[0] if cu else cu_padded
+    buffer, offsets = _upload(arrays + boundaries, device)
+    cu_padded, *cu = _views(buffer, boundaries, offsets[len(arrays) :])
+    return buffer, offsets, cu_padded, cu[0] if cu else cu_padded
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
-def _byte_offsets(arrays: list[np.ndarray]) -> list[int]:
-    """Where each array starts in an upload buffer (bytes; each at an 8-byte boundary) and, last, its size."""
+def _upload(arrays: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Copy small host arrays (int64/int32) to ``device`` in one ``non_blocking`` copy from pinned memory.
+
+    Returns a uint8 buffer holding them one after another, each at an 8-byte boundary, and the byte offset of
+    each in it (then the buffer's size), for :func:`_views`.
+    """
     offsets = [0]
     for a in arrays:  # a handful of arrays: a Python loop costs less than numpy's per-call overhead here
         offsets.append(offsets[-1] + -(-a.nbytes // 8) * 8)
-    return offsets
-
-
-def _upload(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Copy small host arrays (int64/int32) to ``device`` in one ``non_blocking`` copy from pinned memory:
-    a uint8 buffer holding them one after another, each at an 8-byte boundary (:func:`_views` reads them)."""
-    offsets = _byte_offsets(arrays)
     # Pinned: from pageable memory cudaMemcpyAsync first waits for the stream to drain (a hidden sync that
     # torch's sync-debug mode does not report). torch's host allocator caches the buffers.
     staging = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
     host = staging.numpy()
     for a, start in zip(arrays, offsets, strict=False):
         host[start : start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return staging.to(device, non_blocking=True)
+    return staging.to(device, non_blocking=True), offsets
 
 
-def _views(buffer: torch.Tensor, arrays: list[np.ndarray], first: int = 0) -> list[torch.Tensor]:
-    """A view of each of ``arrays[first:]`` in the buffer :func:`_upload` made of ``arrays``, with its dtype
-    and shape (each view costs host time, so only the ones asked for are made)."""
+def _views(buffer: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+    """A view of each of ``arrays`` in ``buffer`` at its byte offset (:func:`_upload`'s, from that array on),
+    with its dtype and shape. Each view costs host time, so callers ask only for the ones they read."""
     views = []
-    for a, start in zip(arrays[first:], _byte_offsets(arrays)[first:], strict=False):
+    for a, start in zip(arrays, offsets, strict=False):
         view = buffer[start : start + a.nbytes].view(_TORCH_DTYPES[a.dtype])
         views.append(view if a.ndim == 1 else view.view(a.shape))
     return views
@@ -546,7 +542,7 @@ def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
         elif fill.size:
             out[0, fill] = value
         return torch.from_numpy(out)
-    out = x.reshape(-1).index_select(0, index)
+    out = x.reshape(-1).index_select(0, index.view(-1))
     out = (
         out.masked_fill_(fill.view(-1), value)
         if fill.dtype == torch.bool
@@ -577,7 +573,8 @@ def _unpack_index(packed: PackedBatch, device: torch.device) -> tuple[torch.Tens
     source_start = row * packed.source_shape[1] + start
     # Per sample, position minus index among the real tokens; expanded on ``device`` after one small copy.
     arrays = [np.stack([packed_start - offset, source_start - offset]), length]
-    table, length = _views(_upload(arrays, device), arrays)
+    buffer, offsets = _upload(arrays, device)
+    table, length = _views(buffer, arrays, offsets)
     segment = torch.repeat_interleave(torch.arange(n, device=device), length, output_size=R)
     packed_pos, source_pos = table.index_select(1, segment) + torch.arange(R, device=device)
     return packed_pos, source_pos

@@ -29,6 +29,8 @@ ALIGNMENTS = [
 def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels):
     host = batch()
     host["weights"] = torch.rand(host["tokens"].shape).bfloat16()  # an extra key, a dtype numpy lacks
+    # MRoPE ids are gathered with the kernel's source map.
+    host["mrope_position_ids"] = torch.randint(0, 50, (3, *host["tokens"].shape))
     if not given_labels:
         del host["labels"]
     segments = find_segments(host["attention_mask"])

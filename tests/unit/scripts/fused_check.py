@@ -63,7 +63,7 @@ def main(n: int) -> int:
         layout = plan_layout(segments.length, alignment)
         table = _segment_table(segments, layout, ids.shape[1], labels is None)
         # The table in the buffer the packer uploads: its rows first, the boundary arrays after them.
-        buffer, _, _ = _upload_with_boundaries(table.rows, layout, torch.device(device))
+        buffer, *_ = _upload_with_boundaries([table.rows], layout, torch.device(device))
         on = lambda t: None if t is None else t.to(device)  # noqa: E731
         got = fused_pack(
             on(tokens),
