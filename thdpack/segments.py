@@ -163,10 +163,8 @@ def find_segments(
                 position_ids = None
             if runs is not None and position_ids is None:
                 first, length, _ = runs
-                if length.size and length.all():
-                    keep = np.arange(length.size)
-                else:
-                    keep = np.flatnonzero(length)
+                keep = np.flatnonzero(length)  # the rows with a real token
+                if keep.size < length.size:
                     if keep.size == 0:
                         raise ValueError(
                             f"the batch of shape {list(attention_mask.shape)} has no real token: every row is pad"
@@ -303,10 +301,11 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
         # column (argmin; a row without pad has none); the rows hold no other real token iff the runs add up
         # to the real tokens of the whole mask, one count that is cheaper than per-row sums.
         length = r.argmin(axis=1)
-        if not length.all():
-            length[length == 0] = S  # argmin 0 in a row that starts real: the row has no pad
         first = np.zeros(B, dtype=np.int64)
-        holes = int(length.sum()) != np.count_nonzero(r)
+        num_real = np.count_nonzero(r)
+        if int(length.sum()) != num_real:  # a row without pad (argmin 0 in a row that starts real), or a hole
+            length[length == 0] = S
+            holes = int(length.sum()) != num_real
     elif S:
         # A valid 0/1 mask: its row sums count the real tokens.
         integer = not (mask.dtype == torch.bool or mask.is_floating_point())
