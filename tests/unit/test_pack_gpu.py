@@ -26,7 +26,10 @@ ALIGNMENTS = [
 
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("given_labels", [True, False])
-def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels):
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels, path, monkeypatch):
+    # "torch": the path without the Triton kernel (Triton missing, unusual dtypes, or THDPACK_FUSED=0).
+    monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
     host = batch()
     host["weights"] = torch.rand(host["tokens"].shape).bfloat16()  # an extra key, a dtype numpy lacks
     # MRoPE ids are gathered with the kernel's source map.
