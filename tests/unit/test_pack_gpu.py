@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from thdpack import Alignment, find_segments, pack_bshd
+from thdpack.fused import fused_pack_available
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +30,8 @@ ALIGNMENTS = [
 @pytest.mark.parametrize("path", ["fused", "torch"])
 def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels, path, monkeypatch):
     # "torch": the path without the Triton kernel (Triton missing, unusual dtypes, or THDPACK_FUSED=0).
+    if path == "fused":
+        pytest.importorskip("triton", reason="the fused path needs Triton")
     monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
     host = batch()
     host["weights"] = torch.rand(host["tokens"].shape).bfloat16()  # an extra key, a dtype numpy lacks
@@ -38,6 +41,8 @@ def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_l
         del host["labels"]
     segments = find_segments(host["attention_mask"])
     gpu = {k: v.cuda() for k, v in host.items() if k != "attention_mask"}
+    # The path under test is the one pack_bshd takes (not the other one, silently).
+    assert fused_pack_available(gpu["tokens"], gpu.get("labels"), gpu["loss_mask"]) == (path == "fused")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
