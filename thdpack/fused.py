@@ -1,4 +1,4 @@
-"""The GPU side of :func:`thdpack.pack_bshd` in one Triton kernel.
+"""The GPU side of :func:`thdpack.pack_bshd` and of :func:`thdpack.find_segments` in one Triton kernel each.
 
 On a GPU-resident batch the torch path costs about a dozen small kernels and as many allocations per
 call, and at the batch sizes of training that host-side overhead, not the GPU, is the packing time. This
@@ -10,6 +10,9 @@ loss mask from the source position, or writes pad. Nothing is read back to the h
 Used when Triton imports, the batch is on CUDA and the dtypes are the common ones (integer tokens and
 labels, floating loss mask); ``THDPACK_FUSED=0`` turns it off. Otherwise the torch path runs; both give
 identical results (``tests/unit/test_pack_gpu.py``).
+
+A 0/1 mask on the GPU is reduced to per-row statistics by a second kernel (:func:`fused_row_stats`): one
+launch and one device-to-host copy of a ``[7, B]`` table, in place of about fifteen torch kernels.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import os
 
 import torch
 
-__all__ = ["fused_pack_available", "fused_pack"]
+__all__ = ["fused_pack_available", "fused_pack", "fused_row_stats_available", "fused_row_stats"]
 
 BLOCK = 1024
+ROW_BLOCK = 1024  # columns of a mask row read per step by the row-statistics kernel
 
 
 @functools.cache
@@ -30,6 +34,13 @@ def _kernel():
     from ._pack_kernel import pack_kernel
 
     return pack_kernel
+
+
+@functools.cache
+def _row_stats_kernel():
+    from ._mask_kernel import row_stats_kernel
+
+    return row_stats_kernel
 
 
 @functools.cache
@@ -42,11 +53,15 @@ def _triton_imports() -> bool:
     return True
 
 
+def _enabled(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("THDPACK_FUSED", "1") != "0" and _triton_imports()
+
+
 def fused_pack_available(
     tokens: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None
 ) -> bool:
     """Whether :func:`fused_pack` handles this batch (CUDA, Triton, integer tokens/labels, float loss mask)."""
-    if not tokens.is_cuda or os.environ.get("THDPACK_FUSED", "1") == "0" or not _triton_imports():
+    if not _enabled(tokens):
         return False
     integer = (torch.int64, torch.int32)
     return (
@@ -112,3 +127,42 @@ def fused_pack(
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     # The kernel indexes the [B, S] inputs as flat arrays.
     return t if t.is_contiguous() else t.contiguous()
+
+
+_INTEGER_MASKS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def fused_row_stats_available(mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
+    """Whether :func:`fused_row_stats` handles this ``[B, S]`` mask (CUDA, Triton, a common dtype)."""
+    return (
+        _enabled(mask)
+        and mask.numel() > 0
+        and (mask.dtype == torch.bool or mask.dtype in _INTEGER_MASKS or mask.is_floating_point())
+        and (position_ids is None or (position_ids.is_cuda and position_ids.dtype in _INTEGER_MASKS))
+    )
+
+
+def fused_row_stats(mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Per-row statistics of a ``[B, S]`` mask, an int64 ``[7, B]`` tensor on the mask's device.
+
+    Rows: the first real (non-zero) column (0 in a row without one), the number of real tokens, the number of
+    runs of real tokens (more than one: a hole), and 0/1 for a ``position_ids`` value of 0 at a real token
+    whose left neighbour is real (a sample restarts inside a run), a negative value, a value above 1 and a
+    fractional or NaN value (floating masks only). Nothing is read back; the caller copies the table to the
+    host once.
+    """
+    B, S = mask.shape
+    kind = 0 if mask.dtype == torch.bool else 2 if mask.is_floating_point() else 1
+    mask = _contiguous(mask.view(torch.uint8) if kind == 0 else mask)
+    out = torch.empty(7, B, dtype=torch.int64, device=mask.device)
+    _row_stats_kernel()[(B,)](
+        mask,
+        mask if position_ids is None else _contiguous(position_ids),
+        out,
+        B,
+        S,
+        KIND=kind,
+        HAS_POSITIONS=position_ids is not None,
+        BLOCK=ROW_BLOCK,
+    )
+    return out

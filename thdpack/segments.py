@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .fused import fused_row_stats, fused_row_stats_available
+
 __all__ = ["Segments", "find_segments"]
 
 
@@ -364,7 +366,10 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # Reduced on the GPU; one copy of a [B]-sized table comes back.
+    # Reduced on the GPU; one copy of a [B]-sized table comes back. One Triton kernel where it can (see
+    # thdpack.fused), about fifteen torch kernels otherwise.
+    if fused_row_stats_available(mask, position_ids):
+        return _row_stats_fused(mask, position_ids)
     B = mask.shape[0]
     zero = torch.zeros((), dtype=torch.int64, device=mask.device)
     if mask.dtype == torch.bool:
@@ -386,6 +391,14 @@ def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> 
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
     return table[:B].numpy(), table[B : 2 * B].numpy(), holes, restarts, False, False, False
+
+
+def _row_stats_fused(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
+    table = fused_row_stats(mask, position_ids).cpu().numpy()  # [7, B]: the one copy to the host
+    restarts, negative, above_one, fractional = (bool(v) for v in table[3:].any(axis=1))
+    if negative or above_one or fractional:
+        return None, None, False, False, negative, above_one, fractional
+    return table[0], table[1], bool((table[2] > 1).any()), restarts, False, False, False
 
 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from thdpack import Alignment, find_segments, pack_bshd
-from thdpack.fused import fused_pack_available
+from thdpack.bench import count_syncs
+from thdpack.fused import fused_pack_available, fused_row_stats_available
 
 pytestmark = pytest.mark.gpu
 
@@ -58,10 +59,44 @@ def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_l
     )
 
 
-def test_find_segments_on_a_gpu_mask_matches_the_host():
-    host = batch()["attention_mask"]
-    a, b = find_segments(host), find_segments(host.cuda())
-    assert torch.equal(a.row, b.row) and torch.equal(a.start, b.start) and torch.equal(a.length, b.length)
+def segments_or_error(mask, **kwargs):
+    try:
+        s = find_segments(mask, **kwargs)
+        return s.row.tolist(), s.start.tolist(), s.length.tolist()
+    except ValueError as e:
+        return str(e)
+
+
+def gpu_masks():
+    """(name, host mask): 0/1 masks of several dtypes and paddings, segment ids and bad values."""
+    mask = batch()["attention_mask"]
+    hole = mask.clone()
+    hole[2] = True
+    hole[2, 1] = False
+    yield "bool right", mask
+    yield "int64 left", mask.flip(1).long()
+    yield "float32", mask.float()
+    yield "bfloat16", mask.bfloat16()
+    yield "segment ids", mask.long() * torch.where(torch.arange(mask.shape[1]) < 9, 1, 2)
+    yield "hole", hole.int()
+    yield "negative", mask.long() - 2 * (torch.arange(mask.shape[1]) == 3)
+    yield "fractional", mask.float() / 2
+
+
+@pytest.mark.parametrize("name,mask", list(gpu_masks()), ids=[name for name, _ in gpu_masks()])
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, path, monkeypatch):
+    # "fused": the row-statistics kernel; "torch": the torch reductions (Triton missing or THDPACK_FUSED=0).
+    if path == "fused":
+        pytest.importorskip("triton", reason="the fused path needs Triton")
+    monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
+    gpu = mask.cuda()
+    assert fused_row_stats_available(gpu, None) == (path == "fused")
+    # Same samples, or the same error, as on the host.
+    assert segments_or_error(gpu) == segments_or_error(mask)
+    if name in ("bool right", "int64 left", "float32", "bfloat16"):
+        # A 0/1 mask: one device-to-host copy (the per-row table), nothing else.
+        assert count_syncs(lambda: find_segments(gpu)) == 1
 
 
 @pytest.mark.parametrize("restart", [False, True])
