@@ -145,9 +145,10 @@ def find_segments(
             is not block-diagonal causal, negative or non-integer values, shape mismatches, or a batch with no
             real token at all.
 
-    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of the per-row lengths only), and so do
-    position ids on the GPU next to a host mask (of the columns the restart check reads); pass host tensors,
-    which data loaders deliver, to cost none.
+    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of a ``[7, B]`` table of per-row statistics
+    that one Triton kernel writes, see :func:`thdpack.fused.fused_row_stats`), and so do position ids on the GPU
+    next to a host mask (of the columns the restart check reads); pass host tensors, which data loaders deliver,
+    to cost none.
     """
     if attention_mask is not None:
         if attention_mask.dim() == 4:
