@@ -14,7 +14,19 @@ import thdpack.segments as seg
 from thdpack import find_segments
 from thdpack.fused import fused_row_stats
 
-DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float64]
+# Every dtype thdpack.fused.fused_row_stats_available accepts.
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 FORMS = ["right", "left", "hole", "segment ids", "negative", "fraction", "nan", "inf", "empty row", "full"]
 
 
@@ -89,7 +101,7 @@ def main(n: int) -> int:
     g = torch.Generator().manual_seed(0)
     failures = 0
     for case in range(n):
-        form, dtype = FORMS[case % len(FORMS)], DTYPES[case % len(DTYPES)]
+        form, dtype = FORMS[case % len(FORMS)], DTYPES[case // len(FORMS) % len(DTYPES)]
         mask = random_mask(g, form, dtype)
         pos = None
         if case % 3 == 0:
@@ -119,4 +131,4 @@ def main(n: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 70))
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else len(FORMS) * len(DTYPES)))
