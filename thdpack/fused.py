@@ -1,8 +1,8 @@
 """The GPU side of :func:`thdpack.pack_bshd` and of :func:`thdpack.find_segments` in one Triton kernel each.
 
 On a GPU-resident batch the torch path costs about a dozen small kernels and as many allocations per
-call, and at the batch sizes of training that host-side overhead, not the GPU, is the packing time. This
-kernel writes every token-aligned output of a packed row in one launch, from the per-segment table the
+call, and at the batch sizes of training that host-side overhead, not the GPU, is the packing time. The
+packing kernel writes every token-aligned output of a packed row in one launch, from the per-segment table the
 host computed (:func:`thdpack.pack._segment_table`): for packed position ``p`` it finds its segment by
 binary search over the segment starts, then gathers the token, the label (or the next token) and the
 loss mask from the source position, or writes pad. Nothing is read back to the host.
@@ -129,7 +129,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-_INTEGER_MASKS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def fused_row_stats_available(mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
@@ -137,8 +137,8 @@ def fused_row_stats_available(mask: torch.Tensor, position_ids: torch.Tensor | N
     return (
         _enabled(mask)
         and mask.numel() > 0
-        and (mask.dtype == torch.bool or mask.dtype in _INTEGER_MASKS or mask.is_floating_point())
-        and (position_ids is None or (position_ids.is_cuda and position_ids.dtype in _INTEGER_MASKS))
+        and (mask.dtype == torch.bool or mask.dtype in _INTEGERS or mask.is_floating_point())
+        and (position_ids is None or (position_ids.is_cuda and position_ids.dtype in _INTEGERS))
     )
 
 
