@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from thdpack import Alignment, find_segments, pack_bshd
+from thdpack import Alignment, find_segments, from_packed_batch, pack_bshd
 from thdpack.bench import count_syncs
 from thdpack.fused import fused_pack_available, fused_row_stats_available
 
@@ -111,3 +111,36 @@ def test_host_mask_with_gpu_position_ids_matches_the_host(restart):
     b = find_segments(mask, position_ids=positions.cuda())
     assert torch.equal(a.row, b.row) and torch.equal(a.start, b.start) and torch.equal(a.length, b.length)
     assert (len(a) > mask.shape[0]) == restart
+
+
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_adopting_a_packed_gpu_batch_makes_no_sync(path, monkeypatch):
+    # A Megatron-Bridge / NeMo packed batch: token tensors on the GPU, boundary arrays (with -1 sentinels and
+    # argmin) on the host as the loader delivers them. Bridge's get_packed_seq_params reads argmin with .item().
+    if path == "fused":
+        pytest.importorskip("triton", reason="the fused path needs Triton")
+    monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
+    host = {
+        "tokens": torch.tensor([[11, 12, 13, 0, 21, 22, 0, 0, 31, 0]]),
+        "labels": torch.tensor([[12, 13, 14, 0, 22, 23, 0, 0, 32, 0]]),
+        "loss_mask": torch.tensor([[1.0, 1, 1, 0, 1, 1, 0, 0, 1, 0]]),
+        "cu_seqlens": torch.tensor([[0, 4, 8, 10, -1]], dtype=torch.int32),
+        "cu_seqlens_unpadded": torch.tensor([[0, 3, 5, 6, -1]], dtype=torch.int32),
+        "cu_seqlens_argmin": torch.tensor([[4]]),
+        "max_seqlen": torch.tensor([[4]], dtype=torch.int32),
+    }
+    token_keys = ("tokens", "labels", "loss_mask")
+    gpu = {k: v.cuda() if k in token_keys else v for k, v in host.items()}
+    assert fused_pack_available(gpu["tokens"], gpu["labels"], gpu["loss_mask"]) == (path == "fused")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = from_packed_batch(gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = from_packed_batch(host)
+    for name, t in expected.token_tensors().items():
+        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+    assert torch.equal(packed.cu_seqlens.cpu(), expected.cu_seqlens)
+    assert torch.equal(packed.cu_seqlens_padded.cpu(), expected.cu_seqlens_padded)
+    assert packed.max_seqlen == expected.max_seqlen == 4
