@@ -54,7 +54,13 @@ def _triton_imports() -> bool:
 
 
 def _enabled(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("THDPACK_FUSED", "1") != "0" and _triton_imports()
+    # Triton launches on the current device: a tensor on another GPU takes the torch path.
+    return (
+        t.is_cuda
+        and os.environ.get("THDPACK_FUSED", "1") != "0"
+        and _triton_imports()
+        and t.device.index == torch.cuda.current_device()
+    )
 
 
 def fused_pack_available(

@@ -144,3 +144,21 @@ def test_adopting_a_packed_gpu_batch_makes_no_sync(path, monkeypatch):
     assert torch.equal(packed.cu_seqlens.cpu(), expected.cu_seqlens)
     assert torch.equal(packed.cu_seqlens_padded.cpu(), expected.cu_seqlens_padded)
     assert packed.max_seqlen == expected.max_seqlen == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_batch_on_another_gpu_than_the_current_one_takes_the_torch_path():
+    # The Triton kernels launch on the current device; a batch elsewhere must not reach them.
+    host = batch()
+    segments = find_segments(host["attention_mask"])
+    other = torch.device("cuda", 1)
+    gpu = {k: v.to(other) for k, v in host.items()}
+    assert torch.cuda.current_device() == 0
+    assert not fused_pack_available(gpu["tokens"], gpu["labels"], gpu["loss_mask"])
+    assert not fused_row_stats_available(gpu["attention_mask"], None)
+    packed = pack_bshd(gpu, segments=segments)
+    expected = pack_bshd(host)
+    assert packed.tokens.device == other
+    for name, t in expected.token_tensors().items():
+        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+    assert segments_or_error(gpu["attention_mask"]) == segments_or_error(host["attention_mask"])
