@@ -269,34 +269,29 @@ def _first_hole(row: torch.Tensor) -> int | None:
 
 
 def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # The full passes over the [B, S] mask (the value check, the bool copy) run where they are fastest (see
-    # _parallel_reduction); what follows works on the bool copy with numpy, whose argmin/argmax stop at the
-    # first hit in a row.
+    # The passes over the [B, S] mask are numpy's, on one thread, but for the bool copy where torch's pool is
+    # small (see _real). What follows the value check works on that copy, where numpy's argmin/argmax stop at a
+    # row's first hit.
     B, S = mask.shape
     negative = above_one = fractional = False
     if mask.dtype == torch.bool or mask.numel() == 0:
-        real = mask.bool()
+        r = mask.bool().numpy()
     elif not mask.is_floating_point():
-        if _parallel_reduction(mask):
-            lo, hi = (int(v) for v in torch.aminmax(mask))
-            negative, above_one = lo < 0, hi > 1
-        else:
-            # One pass decides the common case: read as unsigned, a negative value is huge, so every value is 0
-            # or 1 iff the maximum is at most 1.
-            m = mask.numpy()
-            if int(m.view(_UNSIGNED[m.itemsize]).max()) > 1:
-                lo, hi = (int(v) for v in torch.aminmax(mask))
-                negative, above_one = lo < 0, hi > 1
-        real = mask.bool()
+        # One pass decides the common case: read as unsigned, a negative value is huge, so every value is 0
+        # or 1 iff the maximum is at most 1.
+        m = mask.numpy()
+        if int(m.view(_UNSIGNED[m.itemsize]).max()) > 1:
+            negative, above_one = int(m.min()) < 0, int(m.max()) > 1
+        r = _real(mask, m)
     else:
-        real = mask != 0
-        if bool((real & (mask != 1)).any()):  # segment ids or bad values: tell them apart
-            lo, hi = (float(v) for v in torch.aminmax(mask))
-            negative, above_one = lo < 0, hi > 1
-            fractional = bool((mask != mask.round()).any()) or not bool(torch.isfinite(mask).all())
+        m = (mask if mask.dtype in _NUMPY_FLOATS else mask.float()).numpy()  # bfloat16: exact in float32
+        r = _real(mask, m)
+        if bool((r & (m != 1)).any()):  # segment ids or bad values: tell them apart (NaN counts as real)
+            with np.errstate(invalid="ignore"):
+                negative, above_one = bool(m.min() < 0), bool(m.max() > 1)
+            fractional = bool((m != np.round(m)).any()) or not bool(np.isfinite(m).all())
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
-    r = real.numpy()
     holes = False
     right_padded = S and r[:, 0].all()
     if right_padded:
@@ -310,9 +305,7 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
             length[length == 0] = S
             holes = int(length.sum()) != num_real
     elif S:
-        # A valid 0/1 mask: its row sums count the real tokens.
-        integer = not (mask.dtype == torch.bool or mask.is_floating_point())
-        length = (mask if integer else real).sum(1, dtype=torch.int64).numpy()
+        length = np.count_nonzero(r, axis=1).astype(np.int64, copy=False)
         first = r.argmax(axis=1)
         # A row starting real is contiguous iff its first pad column is its length (or it has no pad); a row
         # ending real iff it starts at S - length; any other non-empty row is checked by counting its runs.
@@ -337,33 +330,41 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     return first, length, holes, restarts, False, False, False
 
 
+def _real(mask: torch.Tensor, m: np.ndarray) -> np.ndarray:
+    """``mask != 0`` as a numpy bool array (``m``: the mask as numpy): torch's copy while its intra-op pool has
+    at most ``_SMALL_POOL`` threads, numpy's single-threaded one otherwise.
+
+    Measured (64x8192 int64 mask): on this project's 2-core CPU torch's copy on 2 threads took 40 us against
+    numpy's 74. On a 16-core GPU VM host, right after GPU work, find_segments took 0.34-2.2 ms (medians of 300
+    calls; p90 up to 9 ms) with torch's pool of 16 threads, 0.45-0.57 ms with 4 (but single calls up to 11 ms)
+    and 0.57-0.78 ms with 1 (p90 at most 0.93 ms): waking a large pool there stalls
+    (``benchmarks/results/gpu_mask_stats_2026-11-22.md``, section 4). torchrun sets OMP_NUM_THREADS=1.
+    """
+    if torch.get_num_threads() <= _SMALL_POOL:
+        return mask.bool().numpy()
+    return m != 0
+
+
+_SMALL_POOL = 2
+
 # Unsigned integers of each width, to read an integer mask as unsigned.
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-# A full pass over a large host mask: torch's reductions run on every intra-op thread, numpy's max on one.
-# Measured (64x8192 int64 mask): on a 16-core GPU host torch.aminmax took 31 us with 16 threads, 83 with 4,
-# 311 with 1, against numpy's 122-167 us; on a 2-core machine 76 against 43 us; at 8x8192 numpy won
-# everywhere (7.5 against 22-38 us). torchrun sets OMP_NUM_THREADS=1 unless told otherwise.
-_PARALLEL_MIN_ELEMENTS = 1 << 18
-_PARALLEL_MIN_THREADS = 4
-
-
-def _parallel_reduction(mask: torch.Tensor) -> bool:
-    """Whether torch's multi-threaded reductions beat numpy's single-threaded ones on this host mask."""
-    return mask.numel() >= _PARALLEL_MIN_ELEMENTS and torch.get_num_threads() >= _PARALLEL_MIN_THREADS
+# Floating dtypes numpy reads (bfloat16 is converted first).
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
 def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
     """Whether some position id in columns ``[lo, hi)`` may be 0: there a real run may hold several samples.
-    A zero id on pad among these columns also says "may", and so does a negative id in the small case (whose
-    check is ``min <= 0``); the exact path then decides, and splits runs at zeros only."""
+    A zero id on pad among these columns also says "may", and so does a negative id where the check is
+    ``min <= 0`` (small arrays, or a large pool: see :func:`_real`); the exact path then decides, and splits runs
+    at zeros only."""
     if hi <= lo:
         return False
     # From a GPU, only these columns come to the host.
     ids = position_ids.numpy()[:, lo:hi] if position_ids.is_cpu else position_ids[:, lo:hi].cpu().numpy()
-    if ids.size <= 1 << 16:  # small: numpy's lower per-call overhead wins; min <= 0 stands for "a zero"
-        return int(ids.min()) <= 0
-    return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size  # large: torch counts on every thread
+    if ids.size > 1 << 16 and torch.get_num_threads() <= _SMALL_POOL:  # large: torch counts on its threads
+        return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size
+    return int(ids.min()) <= 0  # one numpy pass; min <= 0 stands for "a zero"
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:

@@ -83,31 +83,32 @@ def test_fractional_mask_value_is_an_error():
         find_segments(torch.tensor([[1.0, 0.5, 0.0]]))
 
 
+INTEGER_MASK_CASES = [
+    ([[1, 1, 1, 0], [1, 0, 0, 0]], [(0, 0, 3), (1, 0, 1)]),
+    ([[0, 0, 1, 1], [1, 1, 1, 1]], [(0, 2, 2), (1, 0, 4)]),
+    ([[1, 1, 2, 2], [3, 0, 0, 0]], [(0, 0, 2), (0, 2, 2), (1, 0, 1)]),
+    ([[1, 1, 0], [1, 1, -1]], "row 1 of attention_mask has value -1 at column 2"),
+    ([[1, 0, 1], [1, 1, 0]], "row 0 of attention_mask has a hole at column 1"),
+]
+
+
 @pytest.mark.parametrize(
-    "rows, expected",
+    "rows, expected, dtype",
     [
-        ([[1, 1, 1, 0], [1, 0, 0, 0]], [(0, 0, 3), (1, 0, 1)]),
-        ([[0, 0, 1, 1], [1, 1, 1, 1]], [(0, 2, 2), (1, 0, 4)]),
-        ([[1, 1, 2, 2], [3, 0, 0, 0]], [(0, 0, 2), (0, 2, 2), (1, 0, 1)]),
-        ([[1, 1, 0], [1, 1, -1]], "row 1 of attention_mask has value -1 at column 2"),
-        ([[1, 0, 1], [1, 1, 0]], "row 0 of attention_mask has a hole at column 1"),
+        (rows, expected, dtype)
+        for rows, expected in INTEGER_MASK_CASES
+        for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+        if not (dtype == torch.uint8 and min(min(row) for row in rows) < 0)  # uint8 holds no negative value
     ],
 )
-def test_integer_mask_checked_alike_by_torch_and_numpy_reductions(monkeypatch, rows, expected):
-    # Large host masks on hosts with several threads take torch's parallel reductions, small ones numpy's:
-    # both must find the same samples and the same errors.
-    from thdpack import segments as segments_module
-
-    mask = torch.tensor(rows)
-    for parallel in (False, True):
-        monkeypatch.setattr(segments_module, "_PARALLEL_MIN_ELEMENTS", 0 if parallel else 1 << 62)
-        monkeypatch.setattr(segments_module, "_PARALLEL_MIN_THREADS", 1)
-        assert segments_module._parallel_reduction(mask) is parallel
-        if isinstance(expected, str):
-            with pytest.raises(ValueError, match=expected):
-                find_segments(mask)
-        else:
-            assert as_tuples(find_segments(mask)) == expected
+def test_integer_mask_checked_alike_in_every_integer_dtype(rows, expected, dtype):
+    # The value check reads the mask as unsigned integers of its width (a negative value is then huge).
+    mask = torch.tensor(rows, dtype=dtype)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            find_segments(mask)
+    else:
+        assert as_tuples(find_segments(mask)) == expected
 
 
 def block_causal(seg_ids: list[int]) -> torch.Tensor:
