@@ -336,7 +336,7 @@ def _real(mask: torch.Tensor, m: np.ndarray) -> np.ndarray:
 
     Measured (64x8192 int64 mask): on this project's 2-core CPU torch's copy on 2 threads took 40 us against
     numpy's 74. On a 16-core GPU VM host, right after GPU work, find_segments took 0.34-2.2 ms (medians of 300
-    calls; p90 up to 9 ms) with torch's pool of 16 threads, 0.45-0.57 ms with 4 (but single calls up to 11 ms)
+    calls; p90 up to 9 ms) with torch's pool of 16 threads, 0.45-0.57 ms with 4 (but single calls up to 7.8 ms)
     and 0.57-0.78 ms with 1 (p90 at most 0.93 ms): waking a large pool there stalls
     (``benchmarks/results/gpu_mask_stats_2026-11-22.md``, section 4). torchrun sets OMP_NUM_THREADS=1.
     """
