@@ -144,7 +144,7 @@ def fused_row_stats_available(mask: torch.Tensor, position_ids: torch.Tensor | N
         _enabled(mask)
         and mask.numel() > 0
         and (mask.dtype == torch.bool or mask.dtype in _INTEGERS or mask.is_floating_point())
-        and (position_ids is None or (position_ids.is_cuda and position_ids.dtype in _INTEGERS))
+        and (position_ids is None or (position_ids.device == mask.device and position_ids.dtype in _INTEGERS))
     )
 
 

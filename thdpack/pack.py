@@ -557,7 +557,7 @@ def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     if isinstance(index, np.ndarray):
         if x.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
             return _take(x, torch.from_numpy(index), torch.from_numpy(fill), value)
-        return torch.from_numpy(_fill_host(x.numpy().take(index), fill, value))
+        return torch.from_numpy(_take_host(x, index, fill, value))
     out = x.reshape(-1).index_select(0, index.view(-1))
     out = (
         out.masked_fill_(fill.view(-1), value)
@@ -567,14 +567,16 @@ def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     return out.view(1, -1)
 
 
-def _take_host(x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: float, dtype) -> np.ndarray:
-    """:func:`_take` on the host, cast to the numpy ``dtype``, as a numpy array (the value written after the cast,
-    so that it is exact in ``dtype``)."""
-    if x.dtype not in _NUMPY_DTYPES:  # e.g. a bfloat16 loss mask
+def _take_host(x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: float, dtype=None) -> np.ndarray:
+    """:func:`_take` on the host as a numpy array ``[1, T]``, cast to the numpy ``dtype`` if given (the value is
+    written after the cast, so that it is exact in ``dtype``). Without ``dtype``, ``x`` must be a dtype numpy
+    has (:func:`_take` sends the others through torch)."""
+    if x.dtype not in _NUMPY_DTYPES:  # e.g. a bfloat16 loss mask, cast to dtype
         out = x.reshape(-1).index_select(0, torch.from_numpy(index)).to(_TORCH_DTYPES[np.dtype(dtype)])
         return _fill_host(out.numpy(), fill, value)
     # take() without an axis reads the array flattened in row-major order, as x.reshape(-1) would be.
-    return _fill_host(x.numpy().take(index).astype(dtype, copy=False), fill, value)
+    out = x.numpy().take(index)
+    return _fill_host(out if dtype is None else out.astype(dtype, copy=False), fill, value)
 
 
 def _fill_host(out: np.ndarray, fill: np.ndarray, value: float) -> np.ndarray:

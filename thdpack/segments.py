@@ -340,12 +340,16 @@ def _real(mask: torch.Tensor, m: np.ndarray) -> np.ndarray:
     and 0.57-0.78 ms with 1 (p90 at most 0.93 ms): waking a large pool there stalls
     (``benchmarks/results/gpu_mask_stats_2026-11-22.md``, section 4). torchrun sets OMP_NUM_THREADS=1.
     """
-    if torch.get_num_threads() <= _SMALL_POOL:
-        return mask.bool().numpy()
-    return m != 0
+    return mask.bool().numpy() if _small_pool() else m != 0
 
 
 _SMALL_POOL = 2
+
+
+def _small_pool() -> bool:
+    """Whether torch's intra-op pool is small enough to use for full passes over a host mask (see :func:`_real`)."""
+    return torch.get_num_threads() <= _SMALL_POOL
+
 
 # Unsigned integers of each width, to read an integer mask as unsigned.
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -362,7 +366,7 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
         return False
     # From a GPU, only these columns come to the host.
     ids = position_ids.numpy()[:, lo:hi] if position_ids.is_cpu else position_ids[:, lo:hi].cpu().numpy()
-    if ids.size > 1 << 16 and torch.get_num_threads() <= _SMALL_POOL:  # large: torch counts on its threads
+    if ids.size > 1 << 16 and _small_pool():  # large: torch counts on its threads
         return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size
     return int(ids.min()) <= 0  # one numpy pass; min <= 0 stands for "a zero"
 
