@@ -18,6 +18,21 @@ def batch(B=6, S=40, seed=0):
     return {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": mask.float(), "attention_mask": mask}
 
 
+@pytest.fixture(params=["fused", "torch"])
+def path(request, monkeypatch):
+    """Which GPU path runs: "fused" (the Triton kernels) or "torch" (no Triton, or THDPACK_FUSED=0)."""
+    if request.param == "fused":
+        pytest.importorskip("triton", reason="the fused path needs Triton")
+    monkeypatch.setenv("THDPACK_FUSED", "1" if request.param == "fused" else "0")
+    return request.param
+
+
+def assert_same_token_tensors(packed, expected):
+    """Every token-aligned tensor of ``packed`` (on a GPU) equals the host result's."""
+    for name, t in expected.token_tensors().items():
+        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+
+
 ALIGNMENTS = [
     Alignment(),
     Alignment(cp_size=2),
@@ -28,12 +43,7 @@ ALIGNMENTS = [
 
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("given_labels", [True, False])
-@pytest.mark.parametrize("path", ["fused", "torch"])
-def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels, path, monkeypatch):
-    # "torch": the path without the Triton kernel (Triton missing, unusual dtypes, or THDPACK_FUSED=0).
-    if path == "fused":
-        pytest.importorskip("triton", reason="the fused path needs Triton")
-    monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
+def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels, path):
     host = batch()
     host["weights"] = torch.rand(host["tokens"].shape).bfloat16()  # an extra key, a dtype numpy lacks
     # MRoPE ids are gathered with the kernel's source map.
@@ -51,8 +61,7 @@ def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_l
     finally:
         torch.cuda.set_sync_debug_mode("default")
     expected = pack_bshd(host, alignment=alignment)
-    for name, t in expected.token_tensors().items():
-        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+    assert_same_token_tensors(packed, expected)
     assert torch.equal(packed.cu_seqlens.cpu(), expected.cu_seqlens)
     assert (packed.cu_seqlens is packed.cu_seqlens_padded) == (
         expected.cu_seqlens is expected.cu_seqlens_padded
@@ -84,12 +93,7 @@ def gpu_masks():
 
 
 @pytest.mark.parametrize("name,mask", list(gpu_masks()), ids=[name for name, _ in gpu_masks()])
-@pytest.mark.parametrize("path", ["fused", "torch"])
-def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, path, monkeypatch):
-    # "fused": the row-statistics kernel; "torch": the torch reductions (Triton missing or THDPACK_FUSED=0).
-    if path == "fused":
-        pytest.importorskip("triton", reason="the fused path needs Triton")
-    monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
+def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, path):
     gpu = mask.cuda()
     assert fused_row_stats_available(gpu, None) == (path == "fused")
     # Same samples, or the same error, as on the host.
@@ -97,6 +101,15 @@ def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, 
     if name in ("bool right", "int64 left", "float32", "bfloat16"):
         # A 0/1 mask: one device-to-host copy (the per-row table), nothing else.
         assert count_syncs(lambda: find_segments(gpu)) == 1
+
+
+def test_the_row_statistics_kernel_takes_position_ids_only_on_the_masks_device(path):
+    mask = batch()["attention_mask"].cuda()
+    positions = torch.arange(mask.shape[1]).expand(mask.shape).clone()
+    assert fused_row_stats_available(mask, positions.cuda()) == (path == "fused")
+    assert not fused_row_stats_available(mask, positions)  # host ids next to a GPU mask: the torch path
+    if torch.cuda.device_count() > 1:
+        assert not fused_row_stats_available(mask, positions.to("cuda:1"))
 
 
 @pytest.mark.parametrize("restart", [False, True])
@@ -113,13 +126,9 @@ def test_host_mask_with_gpu_position_ids_matches_the_host(restart):
     assert (len(a) > mask.shape[0]) == restart
 
 
-@pytest.mark.parametrize("path", ["fused", "torch"])
-def test_adopting_a_packed_gpu_batch_makes_no_sync(path, monkeypatch):
+def test_adopting_a_packed_gpu_batch_makes_no_sync(path):
     # A Megatron-Bridge / NeMo packed batch: token tensors on the GPU, boundary arrays (with -1 sentinels and
     # argmin) on the host as the loader delivers them. Bridge's get_packed_seq_params reads argmin with .item().
-    if path == "fused":
-        pytest.importorskip("triton", reason="the fused path needs Triton")
-    monkeypatch.setenv("THDPACK_FUSED", "1" if path == "fused" else "0")
     host = {
         "tokens": torch.tensor([[11, 12, 13, 0, 21, 22, 0, 0, 31, 0]]),
         "labels": torch.tensor([[12, 13, 14, 0, 22, 23, 0, 0, 32, 0]]),
@@ -139,8 +148,7 @@ def test_adopting_a_packed_gpu_batch_makes_no_sync(path, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     expected = from_packed_batch(host)
-    for name, t in expected.token_tensors().items():
-        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+    assert_same_token_tensors(packed, expected)
     assert torch.equal(packed.cu_seqlens.cpu(), expected.cu_seqlens)
     assert torch.equal(packed.cu_seqlens_padded.cpu(), expected.cu_seqlens_padded)
     assert packed.max_seqlen == expected.max_seqlen == 4
@@ -159,6 +167,5 @@ def test_a_batch_on_another_gpu_than_the_current_one_takes_the_torch_path():
     packed = pack_bshd(gpu, segments=segments)
     expected = pack_bshd(host)
     assert packed.tokens.device == other
-    for name, t in expected.token_tensors().items():
-        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+    assert_same_token_tensors(packed, expected)
     assert segments_or_error(gpu["attention_mask"]) == segments_or_error(host["attention_mask"])
