@@ -4,7 +4,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(
+    # No value or alignment specialization: thdpack._triton_launch keys the compiled kernel on types alone.
+    do_not_specialize=["mask_ptr", "position_ids_ptr", "out_ptr", "B", "S"]
+)
 def row_stats_kernel(
     mask_ptr,
     position_ids_ptr,

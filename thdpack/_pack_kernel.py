@@ -4,7 +4,23 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(
+    # No value or alignment specialization: thdpack._triton_launch keys the compiled kernel on types alone.
+    do_not_specialize=[
+        "tokens_ptr",
+        "labels_ptr",
+        "loss_mask_ptr",
+        "table_ptr",
+        "out_tokens_ptr",
+        "out_long_ptr",
+        "out_loss_mask_ptr",
+        "out_pad_ptr",
+        "T",
+        "M",
+        "pad_token_id",
+        "ignore_index",
+    ]
+)
 def pack_kernel(
     tokens_ptr,
     labels_ptr,

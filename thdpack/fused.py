@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from ._triton_launch import fits_int32, launch
+
 __all__ = ["fused_pack_available", "fused_pack", "fused_row_stats_available", "fused_row_stats"]
 
 BLOCK = 1024
@@ -98,7 +100,8 @@ def fused_pack(
     other tensors gathered the same way.
 
     Host cost is what this function is about (the kernel itself takes microseconds): three allocations, one
-    ``unbind`` and the launch, with no reshapes of the inputs when they are contiguous.
+    ``unbind`` and the launch (:func:`thdpack._triton_launch.launch`, without the JIT's dispatch), with no
+    reshapes of the inputs when they are contiguous.
     """
     device, T, M = tokens.device, total_tokens, num_segments
     # labels, position ids, gather (and the tokens, when they are int64) in one allocation.
@@ -108,24 +111,34 @@ def fused_pack(
     out_loss_mask = torch.empty(1, T, dtype=torch.float32, device=device)
     out_pad = torch.empty(1, T, dtype=torch.bool, device=device)
     tokens = _contiguous(tokens)
-    _kernel()[(-(-T // BLOCK),)](
-        tokens,
-        tokens if labels is None else _contiguous(labels),
-        out_loss_mask if loss_mask is None else _contiguous(loss_mask),
-        table,
-        out_tokens,
-        long_rows,
-        out_loss_mask,
-        out_pad,
-        T,
-        M,
-        pad_token_id,
-        ignore_index,
-        # Binary-search steps, rounded up to a multiple of 4 so that few variants are ever compiled.
-        STEPS=-(-(M.bit_length() + 1) // 4) * 4,
-        DERIVE=labels is None,
-        HAS_LOSS_MASK=loss_mask is not None,
-        BLOCK=BLOCK,
+    # Binary-search steps, rounded up to a multiple of 4 so that few variants are ever compiled.
+    steps = -(-(M.bit_length() + 1) // 4) * 4
+    launch(
+        _kernel(),
+        device.index,
+        (
+            tokens.dtype,
+            None if labels is None else labels.dtype,
+            None if loss_mask is None else loss_mask.dtype,
+            table.dtype,
+        ),
+        -(-T // BLOCK),
+        (
+            tokens,
+            tokens if labels is None else _contiguous(labels),
+            out_loss_mask if loss_mask is None else _contiguous(loss_mask),
+            table,
+            out_tokens,
+            long_rows,
+            out_loss_mask,
+            out_pad,
+            T,
+            M,
+            int(pad_token_id),
+            int(ignore_index),
+        ),
+        {"STEPS": steps, "DERIVE": labels is None, "HAS_LOSS_MASK": loss_mask is not None, "BLOCK": BLOCK},
+        direct=fits_int32(T, M, pad_token_id, ignore_index),
     )
     return out_tokens, out_labels, out_loss_mask, out_positions, out_pad, out_gather
 
@@ -161,14 +174,14 @@ def fused_row_stats(mask: torch.Tensor, position_ids: torch.Tensor | None) -> to
     kind = 0 if mask.dtype == torch.bool else 2 if mask.is_floating_point() else 1
     mask = _contiguous(mask.view(torch.uint8) if kind == 0 else mask)
     out = torch.empty(7, B, dtype=torch.int64, device=mask.device)
-    _row_stats_kernel()[(B,)](
-        mask,
-        mask if position_ids is None else _contiguous(position_ids),
-        out,
+    positions = None if position_ids is None else _contiguous(position_ids)
+    launch(
+        _row_stats_kernel(),
+        mask.device.index,
+        (mask.dtype, None if positions is None else positions.dtype),
         B,
-        S,
-        KIND=kind,
-        HAS_POSITIONS=position_ids is not None,
-        BLOCK=ROW_BLOCK,
+        (mask, mask if positions is None else positions, out, B, S),
+        {"KIND": kind, "HAS_POSITIONS": positions is not None, "BLOCK": ROW_BLOCK},
+        direct=fits_int32(B * S),
     )
     return out

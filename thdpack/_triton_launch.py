@@ -1,0 +1,96 @@
+"""Launch a Triton kernel without the JIT's per-call dispatch (used by :mod:`thdpack.fused`).
+
+``kernel[grid](*args)`` binds the arguments, computes their specialization, looks the compiled kernel up and
+only then calls its launcher: about 13 us of host time per launch on an H100 host (Triton 3.6), against 8 us
+for the launcher alone, and the packing kernel's whole GPU time is a few microseconds. :func:`launch` makes the
+first launch of each ``key`` through the JIT, keeps the compiled kernel it returns, and later calls its launcher
+directly, as the JIT itself would.
+
+That is right only when ``key`` fixes everything Triton compiled the kernel for. The kernels launched here
+are declared with ``do_not_specialize`` on every runtime argument, so Triton specializes on neither values nor
+pointer alignment, only on each argument's type (a tensor's dtype; int32, int64 or uint64 for an int) and the
+constexprs. Callers give ``key`` as the tensors' dtypes (:func:`compiled_key` adds the kernel, the device and the
+constexprs) and pass ``direct=False`` when an int argument is outside int32 (then the JIT launches, every time).
+
+The launcher's call (all arguments, constexprs included, after grid, stream, function, metadata and hooks) is
+the one Triton 3.4 to 3.6 make; other versions, Triton's interpreter and a set launch hook (profilers) take the
+JIT path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+_compiled: dict[tuple, object] = {}
+
+
+@functools.cache
+def _supported() -> bool:
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    try:
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (3, 4) <= (major, minor) <= (3, 6)
+
+
+@functools.cache
+def _triton_runtime():
+    from triton import knobs
+    from triton.runtime import driver
+
+    return knobs.runtime, driver
+
+
+def _is_set(hook) -> bool:
+    # Triton 3.4: a callable or None; 3.5 and 3.6: a HookChain, with no hook an empty one.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def fits_int32(*values: int) -> bool:
+    """Whether Triton types each of ``values`` as int32 (the type :func:`launch`'s keys assume)."""
+    return all(-(2**31) <= v < 2**31 for v in values)
+
+
+def compiled_key(kernel, device: int, key: tuple, constexprs: dict) -> tuple:
+    """What a compiled kernel is kept under: the kernel, the device, the caller's ``key`` and the constexprs."""
+    return (kernel, device, key, *constexprs.values())
+
+
+def launch(
+    kernel, device: int, key: tuple, grid: int, args: tuple, constexprs: dict, *, direct: bool = True
+) -> None:
+    """``kernel[(grid,)](*args, **constexprs)`` on the current stream of ``device``, the current CUDA device.
+
+    ``args`` are the runtime arguments in the kernel's order and ``constexprs`` the constexprs in theirs (all
+    after the runtime arguments); ``key`` and the constexprs must determine the compiled kernel (see the
+    module's docstring).
+    """
+    if not (direct and _supported()):
+        kernel[(grid,)](*args, **constexprs)
+        return
+    runtime, driver = _triton_runtime()
+    cache_key = compiled_key(kernel, device, key, constexprs)
+    compiled = _compiled.get(cache_key)
+    if compiled is None or _is_set(runtime.launch_enter_hook) or _is_set(runtime.launch_exit_hook):
+        compiled = kernel[(grid,)](*args, **constexprs)  # the JIT returns the kernel it compiled and launched
+        _compiled[cache_key] = compiled.result() if hasattr(compiled, "result") else compiled
+        return
+    stream = driver.active.get_current_stream(device)
+    compiled.run(
+        grid,
+        1,
+        1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *constexprs.values(),
+    )
