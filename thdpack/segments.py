@@ -269,9 +269,9 @@ def _first_hole(row: torch.Tensor) -> int | None:
 
 
 def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # The passes over the [B, S] mask are numpy's, on one thread, but for the bool copy where torch's pool is
-    # small (see _real). What follows the value check works on that copy, where numpy's argmin/argmax stop at a
-    # row's first hit.
+    # The passes over the [B, S] mask are numpy's, on one thread (see the note above _UNSIGNED; torch only
+    # converts a bfloat16 mask). What follows the value check works on the bool copy, where numpy's
+    # argmin/argmax stop at a row's first hit.
     B, S = mask.shape
     negative = above_one = fractional = False
     if mask.dtype == torch.bool or mask.numel() == 0:
@@ -282,10 +282,10 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
         m = mask.numpy()
         if int(m.view(_UNSIGNED[m.itemsize]).max()) > 1:
             negative, above_one = int(m.min()) < 0, int(m.max()) > 1
-        r = _real(mask, m)
+        r = m != 0
     else:
         m = (mask if mask.dtype in _NUMPY_FLOATS else mask.float()).numpy()  # bfloat16: exact in float32
-        r = _real(mask, m)
+        r = m != 0
         if bool((r & (m != 1)).any()):  # segment ids or bad values: tell them apart (NaN counts as real)
             with np.errstate(invalid="ignore"):
                 negative, above_one = bool(m.min() < 0), bool(m.max() > 1)
@@ -330,25 +330,12 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
     return first, length, holes, restarts, False, False, False
 
 
-def _real(mask: torch.Tensor, m: np.ndarray) -> np.ndarray:
-    """``mask != 0`` as a numpy bool array (``m``: the mask as numpy): torch's copy while its intra-op pool has
-    at most ``_SMALL_POOL`` threads, numpy's single-threaded one otherwise.
-
-    Measured (64x8192 int64 mask): on this project's 2-core CPU torch's copy on 2 threads took 40 us against
-    numpy's 74. On a 16-core GPU VM host, right after GPU work, find_segments took 0.34-2.2 ms (medians of 300
-    calls; p90 up to 9 ms) with torch's pool of 16 threads, 0.45-0.57 ms with 4 (but single calls up to 7.8 ms)
-    and 0.57-0.78 ms with 1 (p90 at most 0.93 ms): waking a large pool there stalls
-    (``benchmarks/results/gpu_mask_stats_2026-11-22.md``, section 4). torchrun sets OMP_NUM_THREADS=1.
-    """
-    return mask.bool().numpy() if _small_pool() else m != 0
-
-
-_SMALL_POOL = 2
-
-
-def _small_pool() -> bool:
-    """Whether torch's intra-op pool is small enough to use for full passes over a host mask (see :func:`_real`)."""
-    return torch.get_num_threads() <= _SMALL_POOL
+# Why numpy, on one thread, and not torch's intra-op pool, for the passes over a host mask: the pool is a few
+# percent faster only when it has every core to itself. On a 16-core GPU VM host, right after GPU work,
+# find_segments took 0.34-2.2 ms (medians of 300 calls; p90 up to 9 ms) with a pool of 16 threads and 0.57-0.78 ms
+# with one (benchmarks/results/gpu_mask_stats_2026-11-22.md, section 4). On this project's 2-core CPU with one core
+# busy, pack_bshd took 2.2-5.1 ms at 64x8192 with torch's bool copy on 2 threads against 1.6-1.7 ms with numpy's;
+# idle, numpy's cost 0-6% more (section 5 there). torchrun sets OMP_NUM_THREADS=1.
 
 
 # Unsigned integers of each width, to read an integer mask as unsigned.
@@ -359,15 +346,12 @@ _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
     """Whether some position id in columns ``[lo, hi)`` may be 0: there a real run may hold several samples.
-    A zero id on pad among these columns also says "may", and so does a negative id where the check is
-    ``min <= 0`` (small arrays, or a large pool: see :func:`_real`); the exact path then decides, and splits runs
-    at zeros only."""
+    A zero id on pad among these columns also says "may", and so does a negative id (the check is ``min <= 0``);
+    the exact path then decides, and splits runs at zeros only."""
     if hi <= lo:
         return False
     # From a GPU, only these columns come to the host.
     ids = position_ids.numpy()[:, lo:hi] if position_ids.is_cpu else position_ids[:, lo:hi].cpu().numpy()
-    if ids.size > 1 << 16 and _small_pool():  # large: torch counts on its threads
-        return int(torch.count_nonzero(torch.from_numpy(ids))) < ids.size
     return int(ids.min()) <= 0  # one numpy pass; min <= 0 stands for "a zero"
 
 

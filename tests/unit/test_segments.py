@@ -225,36 +225,3 @@ def test_segments_check_rejects_overlap():
     segs = Segments(row=torch.tensor([0, 0]), start=torch.tensor([0, 1]), length=torch.tensor([2, 1]))
     with pytest.raises(ValueError, match="overlaps"):
         segs.check((1, 4))
-
-
-@pytest.mark.parametrize(
-    "mask",
-    [
-        torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]),  # right padded, int64
-        torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.int32),  # left padded
-        torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),  # float
-        torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.bfloat16),
-        torch.tensor([[1, 1, 2, 2], [3, 0, 0, 0]]),  # segment ids
-        torch.tensor([[1, 0, 1], [1, 1, 0]]),  # a hole
-        torch.tensor([[1.0, 0.5, 0.0]]),  # fractional
-        torch.tensor([[1, 1, 0], [1, 1, -1]]),  # negative
-        # large enough (> 65536 position ids checked) for the restart check's torch branch
-        (torch.arange(20000) < torch.tensor([[20000], [15000], [100], [19999]])).long(),
-    ],
-)
-def test_mask_statistics_alike_with_a_small_and_a_large_torch_pool(monkeypatch, mask):
-    # With at most _SMALL_POOL intra-op threads the bool copy and the large restart check are torch's, with more
-    # they are numpy's (one thread): the same samples and the same errors either way.
-    from thdpack import segments as segments_module
-
-    positions = torch.arange(mask.shape[1]).expand(mask.shape).clone()
-    positions[:, 2:] -= 2  # a restart at column 2 where a run covers it
-    results = []
-    for small_pool in (64, 0):
-        monkeypatch.setattr(segments_module, "_SMALL_POOL", small_pool)
-        for kwargs in ({}, {"position_ids": positions}):
-            try:
-                results.append(as_tuples(find_segments(mask, **kwargs)))
-            except ValueError as e:
-                results.append(str(e))
-    assert results[:2] == results[2:]
