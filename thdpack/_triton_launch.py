@@ -3,9 +3,9 @@
 ``kernel[grid](*args)`` binds the arguments, computes their specialization, looks the compiled kernel up and
 only then calls its launcher: for the packing kernel that dispatch cost 9-18 us of host time per launch on H100
 and H200 hosts (Triton 3.6), the launcher itself 6-10 us, and the kernel's whole GPU time is 5-7 us
-(``benchmarks/results/triton_launch_2026-11-22.md``). :func:`launch` makes the
-first launch of each ``key`` through the JIT, keeps the compiled kernel it returns, and later calls its launcher
-directly, as the JIT itself would.
+(``benchmarks/results/triton_launch_2026-11-22.md``). :func:`launch` makes the first launch of each ``key``
+through the JIT, keeps the compiled kernel it returns, and later calls its launcher directly, as the JIT itself
+would.
 
 That is right only when ``key`` fixes everything Triton compiled the kernel for. The kernels launched here
 are declared with ``do_not_specialize`` on every runtime argument, so Triton specializes on neither values nor
