@@ -7,6 +7,8 @@ from thdpack import Alignment, find_segments, from_packed_batch, pack_bshd
 from thdpack.bench import count_syncs
 from thdpack.fused import fused_pack_available, fused_row_stats_available
 
+from .scripts.row_stats_check import segments_or_error
+
 pytestmark = pytest.mark.gpu
 
 
@@ -66,14 +68,6 @@ def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_l
     assert (packed.cu_seqlens is packed.cu_seqlens_padded) == (
         expected.cu_seqlens is expected.cu_seqlens_padded
     )
-
-
-def segments_or_error(mask, **kwargs):
-    try:
-        s = find_segments(mask, **kwargs)
-        return s.row.tolist(), s.start.tolist(), s.length.tolist()
-    except ValueError as e:
-        return str(e)
 
 
 def gpu_masks():

@@ -88,7 +88,8 @@ def expected_stats(mask: torch.Tensor, pos: torch.Tensor | None) -> np.ndarray:
     return out
 
 
-def segments_or_error(mask: torch.Tensor, pos: torch.Tensor | None):
+def segments_or_error(mask: torch.Tensor, pos: torch.Tensor | None = None):
+    """find_segments' samples as lists, or its error message (also used by tests/unit/test_pack_gpu.py)."""
     try:
         s = find_segments(mask, position_ids=pos)
         return s.row.tolist(), s.start.tolist(), s.length.tolist()
