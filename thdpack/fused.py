@@ -182,6 +182,6 @@ def fused_row_stats(mask: torch.Tensor, position_ids: torch.Tensor | None) -> to
         B,
         (mask, mask if positions is None else positions, out, B, S),
         {"KIND": kind, "HAS_POSITIONS": positions is not None, "BLOCK": ROW_BLOCK},
-        direct=fits_int32(B * S),
+        direct=fits_int32(B, S),
     )
     return out
