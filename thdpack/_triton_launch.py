@@ -14,29 +14,35 @@ constexprs. Callers give ``key`` as the tensors' dtypes (:func:`compiled_key` ad
 constexprs) and pass ``direct=False`` when an int argument is outside int32 (then the JIT launches, every time).
 
 The launcher's call (all arguments, constexprs included, after grid, stream, function, metadata and hooks) is
-the one Triton 3.4 to 3.6 make; other versions, Triton's interpreter and a set launch hook (profilers) take the
-JIT path.
+the one Triton 3.4 to 3.6 make; other versions, a kernel Triton's interpreter runs (``TRITON_INTERPRET=1`` when
+it was defined) and a set launch hook (profilers) take the JIT path.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 _compiled: dict[tuple, object] = {}
 
 
 @functools.cache
-def _supported() -> bool:
+def _supported_version() -> bool:
     import triton
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
     try:
         major, minor = (int(p) for p in triton.__version__.split(".")[:2])
     except ValueError:
         return False
     return (3, 4) <= (major, minor) <= (3, 6)
+
+
+@functools.cache
+def supported(kernel) -> bool:
+    """Whether :func:`launch` may launch ``kernel`` directly: a Triton 3.4-3.6 ``JITFunction``. A kernel defined
+    under ``TRITON_INTERPRET=1`` is an ``InterpretedFunction``, which Triton runs in Python, not compiled."""
+    from triton.runtime.jit import JITFunction
+
+    return _supported_version() and isinstance(kernel, JITFunction)
 
 
 @functools.cache
@@ -71,7 +77,7 @@ def launch(
     after the runtime arguments); ``key`` and the constexprs must determine the compiled kernel (see the
     module's docstring).
     """
-    if not (direct and _supported()):
+    if not (direct and supported(kernel)):
         kernel[(grid,)](*args, **constexprs)
         return
     runtime, driver = _triton_runtime()

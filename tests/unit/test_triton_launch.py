@@ -1,19 +1,58 @@
-"""The fused kernels' launches without the JIT's dispatch (thdpack._triton_launch), on a GPU."""
+"""The fused kernels' launches without the JIT's dispatch (thdpack._triton_launch): which kernels qualify (on
+CPU) and what a direct launch does (on a GPU)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from thdpack import Alignment, find_segments, pack_bshd
 
-pytestmark = pytest.mark.gpu
-
 triton = pytest.importorskip("triton", reason="the fused path needs Triton")
 
 from thdpack import _triton_launch, fused  # noqa: E402
 from thdpack.fused import _kernel, _row_stats_kernel  # noqa: E402
 
-if torch.cuda.is_available() and not _triton_launch._supported():
+gpu = pytest.mark.gpu
+if torch.cuda.is_available() and not _triton_launch.supported(_kernel()):
     pytest.skip(f"direct launches are off with Triton {triton.__version__}", allow_module_level=True)
+
+
+@pytest.mark.parametrize(
+    "version, expected",
+    [("3.3.1", False), ("3.4.0", True), ("3.5.1", True), ("3.6.0", True), ("3.7.0", False)],
+)
+def test_direct_launches_are_for_jit_kernels_of_the_triton_versions_whose_launcher_call_was_read(
+    monkeypatch, version, expected
+):
+    monkeypatch.setattr(triton, "__version__", version)
+    _triton_launch._supported_version.cache_clear()
+    _triton_launch.supported.cache_clear()
+    try:
+        assert _triton_launch.supported(_kernel()) is expected
+        assert _triton_launch.supported(_row_stats_kernel()) is expected
+        assert _triton_launch.supported(lambda: None) is False  # not a Triton kernel
+    finally:
+        _triton_launch._supported_version.cache_clear()
+        _triton_launch.supported.cache_clear()
+
+
+def test_a_kernel_defined_under_the_interpreter_takes_the_jit():
+    # TRITON_INTERPRET=1 when the kernel is defined makes it an InterpretedFunction, with no compiled launcher;
+    # unsetting the variable later does not change what the kernel is.
+    if not _triton_launch._supported_version():
+        pytest.skip(f"direct launches are off with Triton {triton.__version__} whatever the kernel")
+    code = (
+        "import os, thdpack._triton_launch as L, thdpack.fused as F\n"
+        "k = F._kernel()\n"
+        "del os.environ['TRITON_INTERPRET']\n"
+        "print(type(k).__name__, L.supported(k))"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["InterpretedFunction", "False"]
 
 
 def host_batch(B, S, seed, one_sample=False):
@@ -45,6 +84,7 @@ def jit_cache(kernel):
     return kernel.device_caches[torch.cuda.current_device()][0]
 
 
+@gpu
 def test_the_keys_determine_the_kernel_triton_compiles(monkeypatch):
     # A direct launch reuses the kernel compiled for its key, so the key must fix everything Triton compiles
     # for. Every launch here goes through the JIT and records its key: Triton compiles one kernel per key, also
@@ -84,6 +124,7 @@ def test_the_keys_determine_the_kernel_triton_compiles(monkeypatch):
         assert len(jit_cache(kernel)) == len(kernel_keys)
 
 
+@gpu
 def test_after_the_first_launch_of_a_key_the_jit_is_not_called(monkeypatch):
     host = host_batch(4, 48, seed=4)
     pack_on_gpu(host)  # compiles (or finds) the key's kernel through the JIT
@@ -100,6 +141,7 @@ def test_after_the_first_launch_of_a_key_the_jit_is_not_called(monkeypatch):
     stream.synchronize()
 
 
+@gpu
 def test_a_launch_hook_sees_every_launch(monkeypatch):
     # Profilers (Triton's proton) set launch hooks; with one set every launch goes through the JIT.
     host = host_batch(3, 32, seed=7)
@@ -120,6 +162,7 @@ def test_a_launch_hook_sees_every_launch(monkeypatch):
     assert len(seen) == 2
 
 
+@gpu
 def test_an_int_outside_int32_is_launched_by_the_jit():
     # pad_token_id 2**40 is an int64 argument to Triton; the direct launch's keys assume int32.
     before = {k for k in _triton_launch._compiled if k[0] is _kernel()}
@@ -128,6 +171,7 @@ def test_an_int_outside_int32_is_launched_by_the_jit():
     assert {k for k in _triton_launch._compiled if k[0] is _kernel()} == before
 
 
+@gpu
 def test_the_row_statistics_kernel_is_launched_directly_after_its_first_launch(monkeypatch):
     mask = host_batch(4, 64, seed=9)["attention_mask"]
     expected = find_segments(mask)
