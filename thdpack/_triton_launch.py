@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 
-_compiled: dict[tuple, object] = {}
+# compiled_key -> (the kernel, the compiled kernel its JIT returned for that key)
+_compiled: dict[tuple, tuple[object, object]] = {}
 
 
 @functools.cache
@@ -64,8 +65,10 @@ def fits_int32(*values: int) -> bool:
 
 
 def compiled_key(kernel, device: int, key: tuple, constexprs: dict) -> tuple:
-    """What a compiled kernel is kept under: the kernel, the device, the caller's ``key`` and the constexprs."""
-    return (kernel, device, key, *constexprs.values())
+    """What a compiled kernel is kept under: the kernel's ``id``, the device, the caller's ``key`` and the
+    constexprs. The id, not the kernel: a ``JITFunction`` hashes through its source hash, under a lock, about
+    0.8 us a call; :func:`launch` checks that the entry is the kernel's."""
+    return (id(kernel), device, key, *constexprs.values())
 
 
 def launch(
@@ -77,16 +80,23 @@ def launch(
     after the runtime arguments); ``key`` and the constexprs must determine the compiled kernel (see the
     module's docstring).
     """
-    if not (direct and supported(kernel)):
+    if not (direct and _supported_version()):
         kernel[(grid,)](*args, **constexprs)
         return
     runtime, driver = _triton_runtime()
     cache_key = compiled_key(kernel, device, key, constexprs)
-    compiled = _compiled.get(cache_key)
-    if compiled is None or _is_set(runtime.launch_enter_hook) or _is_set(runtime.launch_exit_hook):
+    entry = _compiled.get(cache_key)
+    if (
+        entry is None
+        or entry[0] is not kernel
+        or _is_set(runtime.launch_enter_hook)
+        or _is_set(runtime.launch_exit_hook)
+    ):
         compiled = kernel[(grid,)](*args, **constexprs)  # the JIT returns the kernel it compiled and launched
-        _compiled[cache_key] = compiled.result() if hasattr(compiled, "result") else compiled
+        if supported(kernel):  # not an interpreted kernel: its compiled kernel is kept for the next launch
+            _compiled[cache_key] = (kernel, compiled.result() if hasattr(compiled, "result") else compiled)
         return
+    compiled = entry[1]
     stream = driver.active.get_current_stream(device)
     compiled.run(
         grid,

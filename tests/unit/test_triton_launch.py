@@ -119,7 +119,7 @@ def test_the_keys_determine_the_kernel_triton_compiles(monkeypatch):
     host = host_batch(3, 20, seed=4)
     pack_on_gpu({k: v.int() if k == "tokens" else v for k, v in host.items() if k != "labels"})
     for kernel in (_kernel(), _row_stats_kernel()):
-        kernel_keys = [key for key in keys if key[0] is kernel]
+        kernel_keys = [key for key in keys if key[0] == id(kernel)]
         assert len(kernel_keys) >= 2
         assert len(jit_cache(kernel)) == len(kernel_keys)
 
@@ -165,10 +165,10 @@ def test_a_launch_hook_sees_every_launch(monkeypatch):
 @gpu
 def test_an_int_outside_int32_is_launched_by_the_jit():
     # pad_token_id 2**40 is an int64 argument to Triton; the direct launch's keys assume int32.
-    before = {k for k in _triton_launch._compiled if k[0] is _kernel()}
+    before = {k for k in _triton_launch._compiled if k[0] == id(_kernel())}
     packed = pack_on_gpu(host_batch(3, 32, seed=8), pad_token_id=2**40, alignment=Alignment(pad_total_to=128))
     assert (packed.tokens == 2**40).any()
-    assert {k for k in _triton_launch._compiled if k[0] is _kernel()} == before
+    assert {k for k in _triton_launch._compiled if k[0] == id(_kernel())} == before
 
 
 @gpu
