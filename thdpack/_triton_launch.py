@@ -14,8 +14,9 @@ constexprs. Callers give ``key`` as the tensors' dtypes (:func:`compiled_key` ad
 constexprs) and pass ``direct=False`` when an int argument is outside int32 (then the JIT launches, every time).
 
 The launcher's call (all arguments, constexprs included, after grid, stream, function, metadata and hooks) is
-the one Triton 3.4 to 3.6 make; other versions, a kernel Triton's interpreter runs (``TRITON_INTERPRET=1`` when
-it was defined) and a set launch hook (profilers) take the JIT path.
+the one Triton 3.4 to 3.9 make; other versions, a kernel Triton's interpreter runs (``TRITON_INTERPRET=1`` when
+it was defined), a set launch hook (profilers) and a set pipeline-stages hook (part of the JIT's compile key since
+3.7) take the JIT path.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def _supported_version() -> bool:
         major, minor = (int(p) for p in triton.__version__.split(".")[:2])
     except ValueError:
         return False
-    return (3, 4) <= (major, minor) <= (3, 6)
+    return (3, 4) <= (major, minor) <= (3, 9)
 
 
 @functools.cache
 def supported(kernel) -> bool:
-    """Whether :func:`launch` may launch ``kernel`` directly: a Triton 3.4-3.6 ``JITFunction``. A kernel defined
+    """Whether :func:`launch` may launch ``kernel`` directly: a Triton 3.4-3.9 ``JITFunction``. A kernel defined
     under ``TRITON_INTERPRET=1`` is an ``InterpretedFunction``, which Triton runs in Python, not compiled."""
     from triton.runtime.jit import JITFunction
 
@@ -55,7 +56,7 @@ def _triton_runtime():
 
 
 def _is_set(hook) -> bool:
-    # Triton 3.4: a callable or None; 3.5 and 3.6: a HookChain, with no hook an empty one.
+    # Triton 3.4: a callable or None; 3.5 and later: a HookChain, with no hook an empty one.
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
@@ -91,9 +92,11 @@ def launch(
         or entry[0] is not kernel
         or _is_set(runtime.launch_enter_hook)
         or _is_set(runtime.launch_exit_hook)
+        or getattr(runtime, "add_stages_inspection_hook", None) is not None
     ):
         compiled = kernel[(grid,)](*args, **constexprs)  # the JIT returns the kernel it compiled and launched
-        if supported(kernel):  # not an interpreted kernel: its compiled kernel is kept for the next launch
+        # An interpreted kernel has no compiled kernel to keep, nor has a JIT that returned none.
+        if compiled is not None and supported(kernel):
             _compiled[cache_key] = (kernel, compiled.result() if hasattr(compiled, "result") else compiled)
         return
     compiled = entry[1]

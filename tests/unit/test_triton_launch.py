@@ -22,7 +22,16 @@ if torch.cuda.is_available() and not _triton_launch.supported(_kernel()):
 
 @pytest.mark.parametrize(
     "version, expected",
-    [("3.3.1", False), ("3.4.0", True), ("3.5.1", True), ("3.6.0", True), ("3.7.0", False)],
+    [
+        ("3.3.1", False),
+        ("3.4.0", True),
+        ("3.5.1", True),
+        ("3.6.0", True),
+        ("3.7.1", True),
+        ("3.9.0", True),
+        ("3.10.0", False),
+        ("4.0.0", False),
+    ],
 )
 def test_direct_launches_are_for_jit_kernels_of_the_triton_versions_whose_launcher_call_was_read(
     monkeypatch, version, expected
@@ -160,6 +169,31 @@ def test_a_launch_hook_sees_every_launch(monkeypatch):
     finally:
         request_cleanup()
     assert len(seen) == 2
+
+
+@gpu
+def test_a_pipeline_stages_hook_sends_every_launch_through_the_jit(monkeypatch):
+    # Since Triton 3.7 the hook's answer is part of the JIT's compile key, so the kernel the JIT would launch may
+    # not be the one kept.
+    if not hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+        pytest.skip(f"Triton {triton.__version__} has no pipeline-stages hook")
+    host = host_batch(3, 32, seed=10)
+    pack_on_gpu(host)
+    calls = []
+    jit_run = _kernel().run
+
+    def counting_run(*args, **kwargs):
+        calls.append(1)
+        return jit_run(*args, **kwargs)
+
+    def stages_hook(*args):  # the key's part without arguments; a no-op on the compiler's stages
+        return None if args else ("thdpack-test", "0")
+
+    monkeypatch.setattr(_kernel(), "run", counting_run)
+    monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", stages_hook)
+    pack_on_gpu(host)
+    pack_on_gpu(host)
+    assert len(calls) == 2
 
 
 @gpu
