@@ -97,6 +97,26 @@ def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, 
         assert count_syncs(lambda: find_segments(gpu)) == 1
 
 
+@pytest.mark.parametrize("B,S", [(2, 300_000), (20_000, 12)], ids=["wide", "tall"])
+def test_wide_and_tall_batches_match_the_host(B, S, path):
+    # Beyond the shapes the kernels were timed on (up to 131072 columns, 4096 rows): a row longer than many of the
+    # row-statistics kernel's column blocks, many programs, and a packed row of several packing blocks.
+    host = batch(B, S, seed=3)
+    mask = host["attention_mask"]
+    gpu = {k: v.cuda() for k, v in host.items()}
+    expected = pack_bshd(host)
+    assert_same_token_tensors(pack_bshd(gpu), expected)  # the mask on the GPU too
+    nomask = {k: v for k, v in gpu.items() if k != "attention_mask"}
+    assert_same_token_tensors(pack_bshd(nomask, segments=find_segments(mask)), expected)
+    # A hole, and segment ids (two samples in each row long enough): the same error and samples as on the host.
+    row = B - 1 - int((mask.sum(1) >= 3).flip(0).int().argmax())  # the last row long enough
+    hole = mask.clone()
+    hole[row, 1] = False
+    ids = mask.long() * torch.where(torch.arange(S) < 2, 1, 2)
+    for m in (hole, ids):
+        assert segments_or_error(m.cuda()) == segments_or_error(m)
+
+
 def test_the_row_statistics_kernel_takes_position_ids_only_on_the_masks_device(path):
     mask = batch()["attention_mask"].cuda()
     positions = torch.arange(mask.shape[1]).expand(mask.shape).clone()
