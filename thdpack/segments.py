@@ -245,8 +245,12 @@ def _row_runs(
     if above_one:
         return None
     if holes:
-        # Error path only: find the first row with a hole (the rows are copied to the host one by one).
-        b, hole = next((b, h) for b in range(mask.shape[0]) if (h := _first_hole(_host(mask[b]))) is not None)
+        # Error path only: the first row whose real tokens form more than one run (a mask on the GPU is copied to
+        # the host once).
+        real = _host(mask) != 0
+        runs = (real[:, 1:] & ~real[:, :-1]).sum(1) + real[:, 0]
+        b = int((runs > 1).int().argmax())
+        hole = _first_hole(real[b])
         raise ValueError(
             f"row {b} of attention_mask has a hole at column {hole}: a 0/1 mask must be contiguous (use segment "
             "ids 1,2,3 for several samples per row)"
