@@ -10,8 +10,8 @@ would.
 That is right only when ``key`` fixes everything Triton compiled the kernel for. The kernels launched here
 are declared with ``do_not_specialize`` on every runtime argument, so Triton specializes on neither values nor
 pointer alignment, only on each argument's type (a tensor's dtype; int32, int64 or uint64 for an int) and the
-constexprs. Callers give ``key`` as the tensors' dtypes (:func:`compiled_key` adds the kernel, the device and the
-constexprs) and pass ``direct=False`` when an int argument is outside int32 (then the JIT launches, every time).
+constexprs. Callers give ``key`` as the tensors' dtypes (:func:`compiled_key` adds the kernel's id, the device and
+the constexprs) and pass ``direct=False`` when an int argument is outside int32 (then the JIT launches, every time).
 
 The launcher's call (all arguments, constexprs included, after grid, stream, function, metadata and hooks) is
 the one Triton 3.4 to 3.9 make; other versions, a kernel Triton's interpreter runs (``TRITON_INTERPRET=1`` when
