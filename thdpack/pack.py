@@ -444,9 +444,8 @@ def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
 
 
 # Copying each segment's slice beats numpy's take by index when segments average at least this many tokens
-# (this project's 2-core CPU, int64 tokens, copy against take: 5.9-6.8 against 8.7-9.3 us at 8x8192, 8 segments
-# of 1496 tokens on average; 50-55 against 69-75 us at 64x8192, 64 of 1545; 128-161 against 68-75 us at 256x2048,
-# 256 of 372).
+# (this project's 2-core CPU, int64 tokens: 4.6 against 8.7 us at 8x8192, 8 segments; 40 against 69 us at
+# 64x8192, 64 segments; 103 against 68 us at 256x2048, 256 segments of 372 tokens on average).
 _RUN_COPY_MIN_TOKENS = 1024
 
 _ARANGE = np.zeros(0, dtype=np.int64)
