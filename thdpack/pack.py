@@ -348,9 +348,7 @@ class _TokenPlan(NamedTuple):
     (the same position in ``labels``, or the next token when labels are derived; in bounds everywhere).
     ``no_target``: positions whose label must be ``ignore_index`` (pad, and sample ends the labels would
     cross or, when derived, every sample's last token). ``pad_index``: the pad positions. ``padding_mask``:
-    True on pad. ``position_ids``: position within the segment. ``runs``: on the host, when the segments are long
-    on average, ``(packed start, flat source, length)`` of each segment's real tokens, Python ints: the gathers copy
-    these slices instead of taking by ``gather`` (see :func:`_take_host`); None otherwise.
+    True on pad. ``position_ids``: position within the segment.
     """
 
     gather: torch.Tensor
@@ -359,7 +357,6 @@ class _TokenPlan(NamedTuple):
     pad_index: torch.Tensor
     padding_mask: torch.Tensor
     position_ids: torch.Tensor
-    runs: list[tuple[int, int, int]] | None = None
 
 
 class _SegmentTable(NamedTuple):
@@ -435,18 +432,8 @@ def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
         label_index[no_target] = 0
     else:
         label_index = gather
-    runs = None
-    if _RUN_COPY_MIN_TOKENS * padded_length.size <= T:
-        starts, ends = seg_start.tolist(), rows[2].tolist()
-        runs = [(p, p + d, e - p) for p, d, e in zip(starts, shift.tolist(), ends, strict=True) if e > p]
-    positions = index - seg_start.repeat(padded_length)
-    return _TokenPlan(gather, label_index, no_target, pad_index, pad, positions, runs)
+    return _TokenPlan(gather, label_index, no_target, pad_index, pad, index - seg_start.repeat(padded_length))
 
-
-# Copying each segment's slice beats numpy's take by index when segments average at least this many tokens
-# (this project's 2-core CPU, int64 tokens: 4.6 against 8.7 us at 8x8192, 8 segments; 40 against 69 us at
-# 64x8192, 64 segments; 103 against 68 us at 256x2048, 256 segments of 372 tokens on average).
-_RUN_COPY_MIN_TOKENS = 1024
 
 _ARANGE = np.zeros(0, dtype=np.int64)
 
@@ -472,19 +459,15 @@ def _gather_outputs(
     """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[1, T]``, from a
     plan of numpy arrays (host batch: numpy gathers, cheaper per call there) or of tensors on the batch's
     device (the torch path when the fused kernel cannot run)."""
-    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id, plan.runs)
+    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     source = tokens if labels is None else labels
     if isinstance(plan.gather, np.ndarray):  # host: labels and loss mask stay numpy until they are done
-        label_runs = plan.runs
-        if label_runs is not None and labels is None:
-            # Derived: the next token; a sample's last token has none (it is in no_target), so n - 1 of them.
-            label_runs = [(p, s + 1, n - 1) for p, s, n in label_runs]
-        labels_np = _take_host(source, plan.label_index, plan.no_target, ignore_index, np.int64, label_runs)
+        labels_np = _take_host(source, plan.label_index, plan.no_target, ignore_index, np.int64)
         no_count = labels_np == ignore_index
         if loss_mask is None:
             loss_mask_np = np.logical_not(no_count).astype(np.float32)
         else:
-            loss_mask_np = _take_host(loss_mask, plan.gather, no_count, 0, np.float32, plan.runs)
+            loss_mask_np = _take_host(loss_mask, plan.gather, no_count, 0, np.float32)
         packed_labels, packed_loss_mask = torch.from_numpy(labels_np), torch.from_numpy(loss_mask_np)
         position_ids = torch.from_numpy(plan.position_ids.reshape(1, -1))
         padding_mask = torch.from_numpy(plan.padding_mask.reshape(1, -1))
@@ -567,14 +550,14 @@ def _views(buffer: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -
     return views
 
 
-def _take(x: torch.Tensor, index, fill, value: float, runs=None) -> torch.Tensor:
+def _take(x: torch.Tensor, index, fill, value: float) -> torch.Tensor:
     """``x.reshape(-1)[index]`` as ``[1, T]``, with ``value`` written at ``fill`` (positions, or a bool mask over
     the result). On the host ``index`` and ``fill`` are numpy arrays and numpy gathers (see
-    :func:`_segment_table`; ``runs`` as :func:`_take_host` takes them); on a GPU they are tensors."""
+    :func:`_segment_table`); on a GPU they are tensors."""
     if isinstance(index, np.ndarray):
         if x.dtype not in _NUMPY_DTYPES:  # e.g. bfloat16: torch gathers, with the plan's arrays
             return _take(x, torch.from_numpy(index), torch.from_numpy(fill), value)
-        return torch.from_numpy(_take_host(x, index, fill, value, runs=runs))
+        return torch.from_numpy(_take_host(x, index, fill, value))
     out = x.reshape(-1).index_select(0, index.view(-1))
     out = (
         out.masked_fill_(fill.view(-1), value)
@@ -584,25 +567,13 @@ def _take(x: torch.Tensor, index, fill, value: float, runs=None) -> torch.Tensor
     return out.view(1, -1)
 
 
-def _take_host(
-    x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: float, dtype=None, runs=None
-) -> np.ndarray:
+def _take_host(x: torch.Tensor, index: np.ndarray, fill: np.ndarray, value: float, dtype=None) -> np.ndarray:
     """:func:`_take` on the host as a numpy array ``[1, T]``, cast to the numpy ``dtype`` if given (the value is
     written after the cast, so that it is exact in ``dtype``). Without ``dtype``, ``x`` must be a dtype numpy
-    has (:func:`_take` sends the others through torch).
-
-    With ``runs`` (``(packed start, flat source, length)`` triples), the slices they name are copied instead of
-    taking by ``index``; every position they leave out must be in ``fill``.
-    """
+    has (:func:`_take` sends the others through torch)."""
     if x.dtype not in _NUMPY_DTYPES:  # e.g. a bfloat16 loss mask, cast to dtype
         out = x.reshape(-1).index_select(0, torch.from_numpy(index)).to(_TORCH_DTYPES[np.dtype(dtype)])
         return _fill_host(out.numpy(), fill, value)
-    if runs is not None:
-        flat = x.numpy().reshape(-1)
-        out = np.empty(index.size, dtype=flat.dtype if dtype is None else dtype)
-        for p, s, n in runs:
-            out[p : p + n] = flat[s : s + n]
-        return _fill_host(out, fill, value)
     # take() without an axis reads the array flattened in row-major order, as x.reshape(-1) would be.
     out = x.numpy().take(index)
     return _fill_host(out if dtype is None else out.astype(dtype, copy=False), fill, value)

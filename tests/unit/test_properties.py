@@ -311,8 +311,7 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
     table = pack_module._segment_table(segments, layout, ids.shape[1], derive_labels)
     host = pack_module._expand_on_host(table)
     device, cu_padded, cu = pack_module._expand_on_device(table, layout, torch.device("cpu"))
-    assert device.runs is None  # the slices the host copies instead of taking (see the next test)
-    for h, d in zip(host[:-1], device[:-1], strict=True):  # numpy arrays on the host, tensors on a device
+    for h, d in zip(host, device, strict=True):  # numpy arrays on the host, tensors on a device
         assert torch.equal(torch.as_tensor(h), d)
     assert torch.equal(cu_padded, layout.cu_seqlens_padded) and torch.equal(cu, layout.cu_seqlens)
     assert cu_padded.dtype == cu.dtype == torch.int32
@@ -336,21 +335,12 @@ def test_device_torch_path_equals_host_path(data, alignment, with_labels, with_l
     segments = find_segments(ids)
     layout = plan_layout(segments.length, alignment)
     table = pack_module._segment_table(segments, layout, ids.shape[1], labels is None)
+    host_plan = pack_module._expand_on_host(table)
     device_plan, cu_padded, _ = pack_module._expand_on_device(table, layout, torch.device("cpu"))
+    host = pack_module._gather_outputs(host_plan, tokens, labels, loss_mask, 7, -100)
     device = pack_module._gather_outputs(device_plan, tokens, labels, loss_mask, 7, -100)
-    shipped = pack_module._RUN_COPY_MIN_TOKENS
-    try:
-        # The host gathers copy each segment's slice when segments are long on average, else take by index:
-        # both, whatever the batch.
-        for min_tokens in (0, 2**62):
-            pack_module._RUN_COPY_MIN_TOKENS = min_tokens
-            host_plan = pack_module._expand_on_host(table)
-            assert (host_plan.runs is None) == (min_tokens > 0)
-            host = pack_module._gather_outputs(host_plan, tokens, labels, loss_mask, 7, -100)
-            for h, d in zip(host, device, strict=True):
-                assert h.dtype == d.dtype and torch.equal(h, d)
-    finally:
-        pack_module._RUN_COPY_MIN_TOKENS = shipped
+    for h, d in zip(host, device, strict=True):
+        assert h.dtype == d.dtype and torch.equal(h, d)
     assert torch.equal(torch.from_numpy(host_plan.gather), device_plan.gather)
     assert torch.equal(torch.from_numpy(host_plan.pad_index), device_plan.pad_index)
     assert torch.equal(cu_padded, layout.cu_seqlens_padded)
