@@ -15,9 +15,17 @@ triton = pytest.importorskip("triton", reason="the fused path needs Triton")
 from thdpack import _triton_launch, fused  # noqa: E402
 from thdpack.fused import _kernel, _row_stats_kernel  # noqa: E402
 
-gpu = pytest.mark.gpu
-if torch.cuda.is_available() and not _triton_launch.supported(_kernel()):
-    pytest.skip(f"direct launches are off with Triton {triton.__version__}", allow_module_level=True)
+from .test_pack_gpu import assert_same_token_tensors  # noqa: E402
+
+
+def gpu(test):
+    """A GPU test of direct launches: it needs CUDA (the ``gpu`` mark) and a Triton that launches directly (the
+    CPU tests of the rule below run whatever the version)."""
+    direct = pytest.mark.skipif(
+        not _triton_launch.supported(_kernel()),
+        reason=f"direct launches are off with Triton {triton.__version__}",
+    )
+    return pytest.mark.gpu(direct(test))
 
 
 @pytest.mark.parametrize(
@@ -79,13 +87,11 @@ def misaligned(t):
 
 
 def pack_on_gpu(host, pad_token_id=0, misalign=False, **kwargs):
-    gpu = {k: (misaligned(v) if misalign else v.cuda()) for k, v in host.items() if k != "attention_mask"}
+    on_gpu = {k: (misaligned(v) if misalign else v.cuda()) for k, v in host.items() if k != "attention_mask"}
     packed = pack_bshd(
-        gpu, segments=find_segments(host["attention_mask"]), pad_token_id=pad_token_id, **kwargs
+        on_gpu, segments=find_segments(host["attention_mask"]), pad_token_id=pad_token_id, **kwargs
     )
-    expected = pack_bshd(host, pad_token_id=pad_token_id, **kwargs)
-    for name, t in expected.token_tensors().items():
-        assert torch.equal(packed.token_tensors()[name].cpu(), t), name
+    assert_same_token_tensors(packed, pack_bshd(host, pad_token_id=pad_token_id, **kwargs))
     return packed
 
 
