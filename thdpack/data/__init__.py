@@ -1,0 +1,20 @@
+"""The data pipeline of the training product: datasets of :class:`Sample`, a collator that right-pads them into
+BSHD micro-batches with 2D attention masks (what :func:`thdpack.pack_bshd` packs), and :class:`TrainData`, the
+deterministic, data-parallel sharded, resumable loader the training loop calls.
+
+Datasets (imported lazily by :func:`build_train_data`): :class:`~thdpack.data.embedded.EmbeddedDataset` (the
+Python stdlib's sources, no download), :class:`~thdpack.data.jsonl.JsonlDataset`,
+:class:`~thdpack.data.indexed.MegatronIndexedDataset`.
+"""
+
+from .samples import Sample, format_length_stats, length_stats
+from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Sample",
+    "build_tokenizer",
+    "format_length_stats",
+    "length_stats",
+]

@@ -1,0 +1,102 @@
+"""``Sample``: one training sequence as every dataset yields it, and length statistics over many of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Sample", "SampleDataset", "length_stats", "format_length_stats"]
+
+
+@dataclass
+class Sample:
+    """One sequence, before padding.
+
+    Attributes:
+        tokens: int64 ``[L]``, ``L >= 1``.
+        target_mask: bool ``[L]`` or None. ``target_mask[i]`` is True when token ``i`` is a target the loss
+            predicts (from position ``i - 1``). ``target_mask[0]`` is never used: nothing precedes the first
+            token. None means plain language modelling: every token but the first is a target.
+        source: where the sample comes from, for errors and logs (``file:line``, ``prefix#document``).
+
+    Worked example (byte tokenizer, SFT ``{"prompt": "Hi", "response": "Yo"}``)::
+
+        tokens      = [bos, 'H', 'i', 'Y', 'o', eos]
+        target_mask = [ F,   F,   F,   T,   T,   T ]     # the response and its eos are predicted
+
+    :func:`thdpack.data.collate` turns it into Megatron's already-shifted labels (``labels[i]`` = the token
+    that position ``i`` predicts)::
+
+        labels      = [-100, -100, 'Y', 'o', eos, -100]
+        loss_mask   = [ 0,    0,    1,   1,   1,   0  ]
+    """
+
+    tokens: np.ndarray
+    target_mask: np.ndarray | None = None
+    source: str = "?"
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_targets(self) -> int:
+        """Tokens the loss predicts."""
+        if self.target_mask is None:
+            return max(len(self.tokens) - 1, 0)
+        return int(np.count_nonzero(self.target_mask[1:]))
+
+    def truncated(self, length: int) -> Sample:
+        """The first ``length`` tokens (and their target mask)."""
+        mask = None if self.target_mask is None else self.target_mask[:length]
+        return Sample(self.tokens[:length], mask, self.source)
+
+
+class SampleDataset(Protocol):
+    """What the loader takes: a deterministic sequence of :class:`Sample`. A dataset that knows its lengths
+    without reading the samples may also expose ``lengths`` (int64 ``[N]``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Sample: ...
+
+
+QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+def length_stats(lengths: Sequence[int] | np.ndarray) -> dict:
+    """Counts per log2 bucket and quantiles of sample lengths.
+
+    Returns:
+        ``{"samples": N, "tokens": sum, "mean": float, "buckets": {lo: count}, "quantiles": {q: length}}``;
+        bucket ``lo`` holds lengths in ``[lo, 2 * lo)`` (``lo`` a power of two; empty buckets omitted).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return {"samples": 0, "tokens": 0, "mean": 0.0, "buckets": {}, "quantiles": {}}
+    if lengths.min() < 1:
+        raise ValueError("length_stats takes lengths >= 1")
+    exponent = np.floor(np.log2(lengths)).astype(np.int64)
+    counts = np.bincount(exponent)
+    return {
+        "samples": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "mean": float(lengths.mean()),
+        "buckets": {1 << int(e): int(c) for e, c in enumerate(counts) if c},
+        "quantiles": {
+            q: int(v) for q, v in zip(QUANTILES, np.quantile(lengths, QUANTILES, method="lower"), strict=True)
+        },
+    }
+
+
+def format_length_stats(stats: dict) -> str:
+    """A small text table of :func:`length_stats`."""
+    lines = [f"samples {stats['samples']}, tokens {stats['tokens']}, mean length {stats['mean']:.1f}"]
+    width = max(stats["buckets"].values(), default=1)
+    for lo, count in stats["buckets"].items():
+        bar = "#" * max(1, round(40 * count / width))
+        lines.append(f"  [{lo:>7}, {2 * lo:>7})  {count:>7}  {bar}")
+    lines.append("  quantiles: " + ", ".join(f"p{round(q * 100)}={v}" for q, v in stats["quantiles"].items()))
+    return "\n".join(lines)
