@@ -1,0 +1,79 @@
+"""``collate``: samples to one right-padded BSHD micro-batch (host tensors), the input ``pack_bshd`` packs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .samples import Sample
+
+__all__ = ["IGNORE_INDEX", "PAD_TO", "collate"]
+
+IGNORE_INDEX = -100  # "no target" in labels (HF's and Megatron-Bridge's convention; thdpack's default)
+PAD_TO = ("seq_length", "longest")
+
+
+def collate(
+    samples: Sequence[Sample],
+    seq_length: int,
+    pad_id: int,
+    pad_to: str = "seq_length",
+    mrope: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Right-pad ``samples`` into one micro-batch.
+
+    Args:
+        samples: ``B >= 1`` samples, each ``1 <= L <= seq_length`` tokens (the loader applies the ``overlong``
+            rule first).
+        seq_length: the model's sequence length.
+        pad_id: token written on pad.
+        pad_to: ``"seq_length"`` (``S = seq_length``, fixed shapes) or ``"longest"`` (``S`` = the longest sample
+            here: less pad to build and move; the packer drops pad either way).
+        mrope: also return ``mrope_position_ids``.
+
+    Returns:
+        ``tokens`` int64 ``[B, S]`` (``pad_id`` on pad);
+        ``labels`` int64 ``[B, S]``, shifted within each row: ``labels[b, i] = tokens[b, i + 1]`` when position
+        ``i + 1`` is a real token and a target (``target_mask[i + 1]``), else ``IGNORE_INDEX``;
+        ``loss_mask`` float32 ``[B, S]``, ``labels != IGNORE_INDEX``;
+        ``attention_mask`` int64 ``[B, S]``, 1 on real tokens (a prefix of each row), 0 on pad;
+        with ``mrope``: ``mrope_position_ids`` int64 ``[3, B, S]``, text-only ids: every axis is the position
+        within the sample (pad continues counting), i.e. ``0 .. S - 1`` on every row.
+    """
+    if pad_to not in PAD_TO:
+        raise ValueError(f"pad_to is '{pad_to}': it must be one of {list(PAD_TO)}")
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
+    for row, s in enumerate(samples):
+        if s.tokens.ndim != 1 or not 1 <= len(s.tokens) <= seq_length:
+            raise ValueError(
+                f"row {row} ({s.source}) has shape {list(s.tokens.shape)}: a sample is 1 to seq_length "
+                f"({seq_length}) tokens (apply the loader's 'overlong' rule first)"
+            )
+        if s.target_mask is not None and s.target_mask.shape != s.tokens.shape:
+            raise ValueError(
+                f"row {row} ({s.source}): target_mask {list(s.target_mask.shape)} does not match tokens "
+                f"{list(s.tokens.shape)}"
+            )
+    B, S = len(samples), int(seq_length if pad_to == "seq_length" else lengths.max())
+    tokens = np.full((B, S), pad_id, dtype=np.int64)
+    labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
+    for row, s in enumerate(samples):
+        L = len(s.tokens)
+        tokens[row, :L] = s.tokens
+        following = s.tokens[1:]
+        labels[row, : L - 1] = (
+            following if s.target_mask is None else np.where(s.target_mask[1:], following, IGNORE_INDEX)
+        )
+    batch = {
+        "tokens": torch.from_numpy(tokens),
+        "labels": torch.from_numpy(labels),
+        "loss_mask": torch.from_numpy((labels != IGNORE_INDEX).astype(np.float32)),
+        "attention_mask": torch.from_numpy((np.arange(S) < lengths[:, None]).astype(np.int64)),
+    }
+    if mrope:
+        batch["mrope_position_ids"] = torch.arange(S, dtype=torch.int64).expand(3, B, S).contiguous()
+    return batch
