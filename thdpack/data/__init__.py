@@ -7,14 +7,25 @@ Python stdlib's sources, no download), :class:`~thdpack.data.jsonl.JsonlDataset`
 :class:`~thdpack.data.indexed.MegatronIndexedDataset`.
 """
 
+from .budget import DEFAULT_COST_WEIGHTS, plan_microbatches, sample_cost
+from .collate import IGNORE_INDEX, collate
+from .loader import TrainData, build_dataset, build_train_data
 from .samples import Sample, format_length_stats, length_stats
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 __all__ = [
+    "DEFAULT_COST_WEIGHTS",
+    "IGNORE_INDEX",
     "ByteTokenizer",
     "HFTokenizer",
     "Sample",
+    "TrainData",
+    "build_dataset",
     "build_tokenizer",
+    "build_train_data",
+    "collate",
     "format_length_stats",
     "length_stats",
+    "plan_microbatches",
+    "sample_cost",
 ]

@@ -1,0 +1,289 @@
+"""``TrainData``: deterministic, data-parallel sharded, resumable micro-batches for the training loop.
+
+The stream: sample indices in epoch-wise permutations (``np.random.default_rng([seed, epoch])``; identity
+order with ``shuffle=False``), epoch after epoch without a break. Step ``g`` takes the next
+``global_batch_size`` samples of the stream (after the ``overlong`` rule) and cuts them into micro-batches:
+
+* fixed (``micro_batch_tokens`` None): ``micro_batch_size`` samples each, ``num_microbatches =
+  global_batch_size // (micro_batch_size * dp_size)`` on every step. As in Megatron's pretraining sampler,
+  micro-batch ``m`` of rank ``r`` is the ``(m * dp_size + r)``-th run of ``micro_batch_size`` samples.
+* token budget (``micro_batch_tokens`` set, for packed training): micro-batches of at most
+  ``micro_batch_tokens`` tokens, balanced over ranks by cost (:mod:`thdpack.data.budget`). The count varies
+  from step to step but is the same on every rank, so pass ``len(next_step())`` as ``num_microbatches`` to
+  Megatron's ``forward_backward_func`` each step (it takes the count per call).
+
+Every rank reads the step's whole global batch (on the host; cheap next to a step) so the overlong rule, the
+budget plan and the counters agree on every rank without communication; it collates only its own share.
+
+``overlong`` (samples longer than ``seq_length``, or than ``micro_batch_tokens`` when smaller):
+``truncate`` (default) keeps the first tokens (a sample left without any target is dropped instead),
+``drop`` skips the sample (the stream refills the batch), ``error`` raises naming the sample's source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .budget import DEFAULT_COST_WEIGHTS, plan_microbatches
+from .collate import PAD_TO, collate
+from .samples import Sample, SampleDataset
+
+__all__ = ["OVERLONG", "TrainData", "build_dataset", "build_train_data"]
+
+OVERLONG = ("truncate", "drop", "error")
+DATASETS = ("embedded", "jsonl", "megatron_indexed")
+_STATE_KEYS = ("consumed", "epoch", "steps", "samples_seen", "truncated", "dropped", "fillers", "real_tokens")
+
+
+class TrainData:
+    """This data-parallel rank's micro-batches, one global step at a time.
+
+    Args:
+        dataset: a :class:`~thdpack.data.samples.SampleDataset`.
+        seq_length: longest sample a micro-batch row holds (``S`` with ``pad_to="seq_length"``).
+        global_batch_size: samples per step, all ranks together.
+        micro_batch_size: samples per micro-batch (fixed mode; unused with ``micro_batch_tokens``).
+        micro_batch_tokens: token budget per micro-batch; None = fixed micro-batches.
+        dp_rank, dp_size: this rank's data-parallel coordinates.
+        seed: the order's seed (the same on every rank).
+        shuffle: False = dataset order, epoch after epoch.
+        overlong: ``"truncate"``, ``"drop"`` or ``"error"``; see the module docstring.
+        pad_to, pad_id, mrope: passed to :func:`~thdpack.data.collate`.
+        cost_weights: ``(a, b)`` of the budget's cost ``a * L + b * L**2``.
+
+    Counters (global over all ranks, the same on every rank, kept in :meth:`state_dict`): ``consumed``
+    (stream position: samples read, dropped ones included), ``steps``, ``samples_seen`` (samples delivered),
+    ``truncated``, ``dropped``, ``fillers`` (empty budget micro-batches), ``real_tokens`` (tokens delivered).
+    Per step: ``num_microbatches_last``, ``rank_tokens_last`` (this rank's real tokens).
+    """
+
+    def __init__(
+        self,
+        dataset: SampleDataset,
+        *,
+        seq_length: int,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+        overlong: str = "truncate",
+        pad_to: str = "seq_length",
+        pad_id: int,
+        mrope: bool = False,
+        cost_weights: Sequence[float] = DEFAULT_COST_WEIGHTS,
+    ):
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty: nothing to train on")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
+        if overlong not in OVERLONG:
+            raise ValueError(f"overlong is '{overlong}': it must be one of {list(OVERLONG)}")
+        if pad_to not in PAD_TO:
+            raise ValueError(f"pad_to is '{pad_to}': it must be one of {list(PAD_TO)}")
+        if seq_length < 1 or global_batch_size < 1:
+            raise ValueError(
+                f"seq_length ({seq_length}) and global_batch_size ({global_batch_size}) must be >= 1"
+            )
+        if micro_batch_tokens is None:
+            if micro_batch_size is None or micro_batch_size < 1:
+                raise ValueError(f"micro_batch_size is {micro_batch_size}: fixed micro-batches need it >= 1")
+            if global_batch_size % (micro_batch_size * dp_size):
+                raise ValueError(
+                    f"global_batch_size ({global_batch_size}) is not divisible by micro_batch_size "
+                    f"({micro_batch_size}) x dp_size ({dp_size}): every rank needs a whole number of micro-batches"
+                )
+        else:
+            if micro_batch_tokens < 1:
+                raise ValueError(f"micro_batch_tokens is {micro_batch_tokens}: it must be >= 1 (or null)")
+            if global_batch_size < dp_size:
+                raise ValueError(
+                    f"global_batch_size ({global_batch_size}) < dp_size ({dp_size}): every data-parallel rank "
+                    "needs at least one sample per step"
+                )
+        self.dataset = dataset
+        self.seq_length, self.global_batch_size = seq_length, global_batch_size
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.overlong, self.pad_to, self.pad_id, self.mrope = overlong, pad_to, pad_id, mrope
+        self.cost_weights = tuple(cost_weights)
+        self.max_length = seq_length if micro_batch_tokens is None else min(seq_length, micro_batch_tokens)
+        self._limit_name = "seq_length" if self.max_length == seq_length else "micro_batch_tokens"
+        self.consumed = self.steps = self.samples_seen = 0
+        self.truncated = self.dropped = self.fillers = self.real_tokens = 0
+        self.num_microbatches_last = self.rank_tokens_last = 0
+        self._perm: tuple[int, np.ndarray | None] = (-1, None)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next sample of the stream."""
+        return self.consumed // len(self.dataset)
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the next global step, collated (see :func:`~thdpack.data.collate`)."""
+        samples, consumed, truncated, dropped = self._read(self.global_batch_size)
+        lengths = np.array([len(s) for s in samples], dtype=np.int64)
+        if self.micro_batch_tokens is None:
+            mbs, dp = self.micro_batch_size, self.dp_size
+            count = self.global_batch_size // (mbs * dp)
+            mine = [
+                list(range((m * dp + self.dp_rank) * mbs, (m * dp + self.dp_rank + 1) * mbs))
+                for m in range(count)
+            ]
+            fillers = 0
+        else:
+            plan = plan_microbatches(lengths, self.dp_size, self.micro_batch_tokens, self.cost_weights)
+            mine = plan[self.dp_rank]
+            fillers = sum(not mb for rank in plan for mb in rank)
+        # A filler micro-batch holds one pad token that is no target: every rank runs the same number of
+        # passes, and the filler adds nothing to the loss or its token count.
+        filler = Sample(np.array([self.pad_id], np.int64), np.zeros(1, bool), "<filler>")
+        batches = [
+            collate(
+                [samples[i] for i in mb] or [filler], self.seq_length, self.pad_id, self.pad_to, self.mrope
+            )
+            for mb in mine
+        ]
+        # Commit only after the whole step succeeded: a step that raised leaves the state where it was.
+        self.consumed = consumed
+        self.steps += 1
+        self.samples_seen += len(samples)
+        self.truncated += truncated
+        self.dropped += dropped
+        self.fillers += fillers
+        self.real_tokens += int(lengths.sum())
+        self.num_microbatches_last = len(batches)
+        self.rank_tokens_last = int(sum(lengths[i] for mb in mine for i in mb))
+        return batches
+
+    def _read(self, count: int) -> tuple[list[Sample], int, int, int]:
+        """The next ``count`` samples that pass the overlong rule, and the new stream position and counts."""
+        position, truncated, dropped, dropped_in_a_row = self.consumed, 0, 0, 0
+        samples: list[Sample] = []
+        while len(samples) < count:
+            sample = self.dataset[self._index(position)]
+            position += 1
+            if len(sample) > self.max_length:
+                if self.overlong == "error":
+                    raise ValueError(
+                        f"{sample.source}: sample of {len(sample)} tokens is longer than {self._limit_name} "
+                        f"({self.max_length}): overlong='error' (use 'truncate' or 'drop' to go on)"
+                    )
+                if self.overlong == "truncate":
+                    sample = sample.truncated(self.max_length)
+                if self.overlong == "drop" or sample.num_targets == 0:
+                    dropped += 1
+                    dropped_in_a_row += 1
+                    if dropped_in_a_row >= len(self.dataset):
+                        raise ValueError(
+                            f"{dropped_in_a_row} samples in a row dropped by overlong='{self.overlong}' "
+                            f"({self._limit_name} = {self.max_length}): no sample of the dataset fits"
+                        )
+                    continue
+                truncated += 1
+            dropped_in_a_row = 0
+            samples.append(sample)
+        return samples, position, truncated, dropped
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.dataset))
+        if not self.shuffle:
+            return offset
+        if self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset)))
+        return int(self._perm[1][offset])
+
+    def state_dict(self) -> dict[str, int]:
+        """Python ints, the same on every rank: enough to continue the exact stream after a restart."""
+        state = {key: int(getattr(self, key)) for key in _STATE_KEYS}
+        return {**state, "seed": int(self.seed), "dataset_size": len(self.dataset)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        for key, mine in (("seed", self.seed), ("dataset_size", len(self.dataset))):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"data state has {key}={state.get(key)} but this run has {key}={mine}: resuming would not "
+                    "continue the same sample order"
+                )
+        for key in _STATE_KEYS:
+            if key not in state:
+                raise ValueError(f"data state lacks '{key}' (keys: {sorted(state)})")
+            if key != "epoch":  # derived from consumed
+                setattr(self, key, int(state[key]))
+
+
+def build_dataset(name: str, path: str | None, tokenizer, *, max_files: int | None = None) -> SampleDataset:
+    """The dataset ``name`` (``embedded``, ``jsonl`` or ``megatron_indexed``); ``path`` is the JSONL file or the
+    indexed prefix (unused by ``embedded``; ``max_files`` is ``embedded``'s subset option)."""
+    if name == "embedded":
+        from .embedded import EmbeddedDataset
+
+        return EmbeddedDataset(tokenizer, max_files=max_files)
+    if name not in DATASETS:
+        raise ValueError(f"dataset.name is '{name}': it must be one of {list(DATASETS)}")
+    if not path:
+        raise ValueError(f"dataset.path is required for dataset.name={name}")
+    if name == "jsonl":
+        from .jsonl import JsonlDataset
+
+        return JsonlDataset(path, tokenizer)
+    from .indexed import MegatronIndexedDataset
+
+    return MegatronIndexedDataset(path, tokenizer.vocab_size)
+
+
+_MISSING = object()
+
+
+def build_train_data(
+    dataset_cfg: Mapping, *, dp_rank: int, dp_size: int, seed: int, tokenizer=None
+) -> TrainData:
+    """:class:`TrainData` from a recipe's ``dataset`` mapping (a dict or an OmegaConf ``DictConfig``).
+
+    Keys: ``name`` (required), ``path`` (required for ``jsonl`` and ``megatron_indexed``), ``seq_length``,
+    ``global_batch_size`` (required), ``micro_batch_size`` (required unless ``micro_batch_tokens`` is set),
+    ``micro_batch_tokens`` (null), ``tokenizer`` (``"byte"``), ``shuffle`` (true), ``overlong``
+    (``"truncate"``), ``pad_to`` (``"seq_length"``), ``mrope`` (false), ``cost_weights`` (``[a, b]``),
+    ``max_files`` (``embedded`` only). Other keys (``pack_sequences_in_batch``, ``mode``, ...) belong to the
+    training loop and are ignored here.
+
+    ``tokenizer``: an already built tokenizer; None builds ``dataset_cfg.tokenizer``. The result carries it as
+    ``.tokenizer`` (``vocab_size`` for the model).
+    """
+
+    def get(key, default=_MISSING):
+        value = dataset_cfg.get(key, default) if key in dataset_cfg else default
+        if value is _MISSING:
+            raise ValueError(f"dataset config lacks the required key '{key}' (has: {sorted(dataset_cfg)})")
+        return value
+
+    if tokenizer is None:
+        from .tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(get("tokenizer", "byte"))
+    micro_batch_tokens = get("micro_batch_tokens", None)
+    data = TrainData(
+        build_dataset(get("name"), get("path", None), tokenizer, max_files=get("max_files", None)),
+        seq_length=int(get("seq_length")),
+        global_batch_size=int(get("global_batch_size")),
+        micro_batch_size=get("micro_batch_size")
+        if micro_batch_tokens is None
+        else get("micro_batch_size", None),
+        micro_batch_tokens=micro_batch_tokens,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        shuffle=bool(get("shuffle", True)),
+        overlong=get("overlong", "truncate"),
+        pad_to=get("pad_to", "seq_length"),
+        pad_id=tokenizer.pad_id,
+        mrope=bool(get("mrope", False)),
+        cost_weights=tuple(get("cost_weights", DEFAULT_COST_WEIGHTS)),
+    )
+    data.tokenizer = tokenizer
+    return data
