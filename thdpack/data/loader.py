@@ -10,7 +10,9 @@ order with ``shuffle=False``), epoch after epoch without a break. Step ``g`` tak
 * token budget (``micro_batch_tokens`` set, for packed training): micro-batches of at most
   ``micro_batch_tokens`` tokens, balanced over ranks by cost (:mod:`thdpack.data.budget`). The count varies
   from step to step but is the same on every rank, so pass ``len(next_step())`` as ``num_microbatches`` to
-  Megatron's ``forward_backward_func`` each step (it takes the count per call).
+  Megatron's ``forward_backward_func`` each step (it takes the count per call). Use ``pad_to="longest"``
+  here: a budget micro-batch may hold many short rows, and padding each to ``seq_length`` only to have the
+  packer drop the pad again costs host memory and time.
 
 Every rank reads the step's whole global batch (on the host; cheap next to a step) so the overlong rule, the
 budget plan and the counters agree on every rank without communication; it collates only its own share.
@@ -257,7 +259,7 @@ def build_train_data(
     """
 
     def get(key, default=_MISSING):
-        value = dataset_cfg.get(key, default) if key in dataset_cfg else default
+        value = dataset_cfg.get(key, default)
         if value is _MISSING:
             raise ValueError(f"dataset config lacks the required key '{key}' (has: {sorted(dataset_cfg)})")
         return value
