@@ -126,6 +126,12 @@ def test_dataset_pickles_without_its_open_file(tmp_path):
     assert clone[1].tokens.tolist() == data[1].tokens.tolist()
 
 
+def test_an_empty_file_has_no_samples(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    assert len(JsonlDataset(path, TOK)) == 0
+
+
 def test_index_out_of_range_is_an_index_error(tmp_path):
     with pytest.raises(IndexError):
         JsonlDataset(write(tmp_path, {"text": "a"}), TOK)[1]

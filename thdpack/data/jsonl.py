@@ -50,9 +50,8 @@ class JsonlDataset:
         starts = np.concatenate([[0], newline + 1])
         ends = np.concatenate([newline, [len(data)]])
         # Blank lines (empty, or a lone \r) hold no sample; checked by length so the index stays vectorized.
-        blank = (ends - starts == 0) | (
-            (ends - starts == 1) & (data[np.minimum(starts, len(data) - 1)] == 13)
-        )
+        first_byte = np.append(data, np.uint8(10))[starts]  # a sentinel: starts may equal len(data)
+        blank = (ends - starts == 0) | ((ends - starts == 1) & (first_byte == 13))
         keep = ~blank
         self._start, self._end = starts[keep], ends[keep]
         self._line = np.flatnonzero(keep) + 1  # 1-based line numbers, as an editor shows them
