@@ -201,7 +201,11 @@ def _check_moe_dispatcher(model_config, config: BatchConfig) -> None:
 
 
 def _labels_for_model(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return labels.masked_fill(labels == ignore_index, 0)
+    # Any negative label is no target (thdpack.pack_bshd's rule: ignore_index, or -1 from another convention).
+    no_target = labels < 0
+    if ignore_index >= 0:
+        no_target |= labels == ignore_index
+    return labels.masked_fill(no_target, 0)
 
 
 def _device() -> torch.device:
