@@ -239,13 +239,17 @@ def _host_lengths(lengths: torch.Tensor) -> np.ndarray:
     """``lengths`` as an int64 numpy array, after the checks of :func:`plan_layout` (cheap: a few attribute reads
     and one ``min`` over ``N`` entries)."""
     if not isinstance(lengths, torch.Tensor):
-        raise TypeError(f"plan_layout's lengths is a {type(lengths).__name__}: pass an integer torch.Tensor [N]")
+        raise TypeError(
+            f"plan_layout's lengths is a {type(lengths).__name__}: pass an integer torch.Tensor [N]"
+        )
     if lengths.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"plan_layout's lengths is {lengths.dtype}: sample lengths must be an integer tensor")
     if not lengths.is_cpu:
         raise ValueError(f"plan_layout's lengths is on {lengths.device}: the layout is planned on the host")
     if lengths.dim() != 1 or lengths.numel() == 0:
-        raise ValueError(f"plan_layout's lengths is {list(lengths.shape)}: it must be [N] with N >= 1 samples")
+        raise ValueError(
+            f"plan_layout's lengths is {list(lengths.shape)}: it must be [N] with N >= 1 samples"
+        )
     real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
     if real.min() < 1:
         i = int(np.argmax(real < 1))

@@ -217,10 +217,7 @@ def pack_bshd(
     """
     fields = split_bshd_batch(batch, "pack_bshd")
     tokens, labels, loss_mask = fields.tokens, fields.labels, fields.loss_mask
-    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
-        raise ValueError(f"pad_token_id={pad_token_id!r}: pad is embedded like any token, so it must be an int >= 0")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index={ignore_index!r}: it must be an int")
+    check_fill_values(pad_token_id, ignore_index)
     B, S = tokens.shape
     if segments is None:
         if fields.attention_mask is None and fields.position_ids is None:
@@ -252,6 +249,16 @@ def pack_bshd(
     if fields.position_ids is not None and fields.position_ids.is_cpu:
         _check_position_ids(fields.position_ids, segments)
     return packed
+
+
+def check_fill_values(pad_token_id: int, ignore_index: int) -> None:
+    """``pad_token_id`` an int >= 0 (pad goes through the embedding too), ``ignore_index`` an int."""
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool):
+        raise TypeError(f"pad_token_id={pad_token_id!r}: it must be an int")
+    if pad_token_id < 0:
+        raise ValueError(f"pad_token_id={pad_token_id}: pad is embedded like any token, so it must be >= 0")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index={ignore_index!r}: it must be an int")
 
 
 class BshdFields(NamedTuple):
@@ -390,7 +397,9 @@ def _raise_bad_key(
             rule = f"every [B, S] key must match {tokens_key}"
         else:
             rule = f"{name} must be {list(expected)} ([3, B, S]: temporal, height, width)"
-        raise ValueError(f"batch key '{name}' is {list(t.shape)} but '{tokens_key}' is {list(tokens.shape)}: {rule}")
+        raise ValueError(
+            f"batch key '{name}' is {list(t.shape)} but '{tokens_key}' is {list(tokens.shape)}: {rule}"
+        )
     if same_device and t.device != tokens.device:
         raise ValueError(
             f"batch key '{name}' is on {t.device} but '{tokens_key}' on {tokens.device}: token-aligned tensors must "
@@ -527,9 +536,13 @@ def unpack_thd(x: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> to
         ``[B, S, ...]`` with ``x``'s values at the original positions of the real tokens.
     """
     if not isinstance(packed, PackedBatch):
-        raise TypeError(f"unpack_thd's packed is a {type(packed).__name__}: pass the PackedBatch x belongs to")
+        raise TypeError(
+            f"unpack_thd's packed is a {type(packed).__name__}: pass the PackedBatch x belongs to"
+        )
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"unpack_thd's x is a {type(x).__name__}: pass a torch.Tensor [1, T, ...] or [T, ...]")
+        raise TypeError(
+            f"unpack_thd's x is a {type(x).__name__}: pass a torch.Tensor [1, T, ...] or [T, ...]"
+        )
     if packed.cp_size != 1:
         raise ValueError(
             "unpack_thd needs a full row packed by pack_bshd: on a CP shard, reassemble the row first with "
@@ -586,7 +599,11 @@ class _SegmentTable(NamedTuple):
 
 
 def _segment_table(
-    segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool, labels_cross_samples: bool = True
+    segments: Segments,
+    layout: PackLayout,
+    seq_len: int,
+    derive_labels: bool,
+    labels_cross_samples: bool = True,
 ) -> _SegmentTable:
     """Everything :class:`_TokenPlan` needs, per segment, computed on the host (``[M]`` and short lists).
 
@@ -679,7 +696,9 @@ def _gather_outputs(
         # and the loss mask is 0 there.
         tokens_np = _take_host(tokens, plan.gather, plan.pad_index, pad_token_id)  # integer dtypes numpy has
         if tokens_np.min() < 0:
-            raise _first_bad("tokens", tokens_np, tokens_np < 0, "token ids must be >= 0 (the embedding reads them)")
+            raise _first_bad(
+                "tokens", tokens_np, tokens_np < 0, "token ids must be >= 0 (the embedding reads them)"
+            )
         packed_tokens = torch.from_numpy(tokens_np)
         labels_np = _take_host(source, plan.label_index, plan.no_target, ignore_index, np.int64)
         no_count = labels_np < 0

@@ -235,7 +235,9 @@ def _check_arguments(attention_mask, position_ids, input_ids, pad_token_id) -> N
     attribute reads, no pass over the data)."""
     shape = None
     if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask, MASK_DTYPES, "a mask holds bool, integer or floating values")
+        check_tensor(
+            "attention_mask", attention_mask, MASK_DTYPES, "a mask holds bool, integer or floating values"
+        )
         shape = attention_mask.shape
     if position_ids is not None:
         check_tensor("position_ids", position_ids, INTEGER_DTYPES, "position ids must be an integer tensor")
@@ -246,7 +248,13 @@ def _check_arguments(attention_mask, position_ids, input_ids, pad_token_id) -> N
     if pad_token_id is not None and (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool)):
         raise TypeError(f"pad_token_id is {pad_token_id!r}: it must be an int")
     if shape is not None and len(shape) >= 2 and (shape[0] == 0 or shape[-1] == 0):
-        name = "attention_mask" if attention_mask is not None else "position_ids" if position_ids is not None else "input_ids"
+        name = (
+            "attention_mask"
+            if attention_mask is not None
+            else "position_ids"
+            if position_ids is not None
+            else "input_ids"
+        )
         raise ValueError(
             f"{name} has shape {list(shape)}: an empty batch has no sample (a batch needs B >= 1 rows and S >= 1 "
             "columns)"
