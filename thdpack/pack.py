@@ -44,9 +44,9 @@ class PackedBatch:
     Attributes:
         tokens: int64 ``[1, T]``, real tokens of every sample concatenated, ``pad_token_id`` on pad.
         labels: int64 ``[1, T]``, next-token target; ``ignore_index`` on pad and on targets that would cross
-            into another sample.
-        loss_mask: float32 ``[1, T]``, 1 where the loss counts (0 on pad, on ``ignore_index`` labels and where
-            the input loss mask was 0).
+            into another sample (a negative label of the batch, no target, is kept as given).
+        loss_mask: float32 ``[1, T]``, 1 where the loss counts (0 on pad, on negative labels, ``ignore_index``
+            among them, and where the input loss mask was 0).
         position_ids: int64 ``[1, T]``, restart at 0 at every segment; pad continues counting.
         cu_seqlens: int32 ``[M + 1]``, logical boundaries (the tokens attention treats as each sample).
         cu_seqlens_padded: int32 ``[M + 1]``, physical boundaries; *the same object* as ``cu_seqlens`` when no
@@ -196,10 +196,13 @@ def pack_bshd(
     ``ignore_index``). With ``labels``, a sample's last token that is followed by another sample in the same
     row gets ``ignore_index``: its shifted label is the next sample's first token.
 
+    A negative label is no target, whatever its value (``ignore_index``, or -1 from another convention): it is
+    kept as given and its loss mask is 0.
+
     ``position_ids`` next to a mask are used, not ignored: with a 2D mask they split a real run where they
     restart at 0, and in every case (2D or 4D mask, ``segments=``) each sample's first token must have id 0
-    and its last token id ``length - 1`` (checked on host ids; the ids in between are not read). The packed
-    row's ``position_ids`` restart at every sample, as the given ids then do.
+    (checked on host ids; the ids after a sample's first are not read). The packed row's ``position_ids``
+    restart at every sample and count up by 1.
 
     Returns:
         :class:`PackedBatch` on the device of ``tokens``.
@@ -211,9 +214,9 @@ def pack_bshd(
             ``tokens``, an empty batch, a tensor on another device than ``tokens`` (the mask and position ids
             may stay on the host), a batch already packed (use :func:`thdpack.from_packed_batch`), any mask
             error of :func:`find_segments`, a row above ``2**31 - 1`` tokens; and, for a batch on the host, a
-            negative token id or a negative label other than ``ignore_index`` on a real token, or position ids
-            that do not restart at a sample. A batch on a GPU is not read back for these value checks (that
-            would cost a sync): pack on the host, as :func:`thdpack.megatron.batch.get_batch` does.
+            negative token id on a real token, or position ids that do not restart at 0 at a sample. A batch on
+            a GPU is not read back for these value checks (that would cost a sync): pack on the host, as
+            :func:`thdpack.megatron.batch.get_batch` does.
     """
     fields = split_bshd_batch(batch, "pack_bshd")
     tokens, labels, loss_mask = fields.tokens, fields.labels, fields.loss_mask
@@ -462,8 +465,8 @@ def assemble(
     """Build the :class:`PackedBatch` that places ``segments`` of the ``[B, S]`` inputs as ``layout`` says.
 
     Shared by :func:`pack_bshd` and :func:`thdpack.from_packed_batch`; inputs are assumed validated, but for
-    their values: on the host path, a negative token id or a negative label other than ``ignore_index`` at a
-    real position raises ``ValueError`` naming ``tokens_key`` (or ``labels``), the source row and column.
+    their values: on the host path, a negative token id at a real position raises ``ValueError`` naming
+    ``tokens_key``, the source row and column.
     ``labels_cross_samples``: given labels are shifted over whole rows (Megatron's BSHD convention), so the last
     token of a sample followed by another in its row gets ``ignore_index``; False when they are shifted within
     each sample (packed SFT batches), where that label is the sample's own last target and is kept.

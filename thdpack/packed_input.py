@@ -214,7 +214,7 @@ def from_packed_batch(
     )
     if on_host:
         _check_pad(packed, padding_mask, loss_mask)
-        if position_ids is not None:
+        if position_ids is not None and position_ids.is_cpu:
             _check_position_ids(position_ids, segments)
     return packed
 
