@@ -333,20 +333,31 @@ def split_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFiel
     attention_mask = fields.pop("attention_mask", None)
     # Each key in one test on the common path (a tensor of an allowed dtype and the right shape, on the tokens'
     # side of host/device); _raise_bad_key names what is wrong otherwise. Position ids and the mask are read
-    # where they are (host or device), like find_segments does.
-    for name, t, dtypes, expected, same_device in (
-        ("labels", labels, INTEGER_DTYPES, shape, True),
-        ("loss_mask", loss_mask, MASK_DTYPES, shape, True),
-        ("position_ids", position_ids, INTEGER_DTYPES, shape, False),
-        ("mrope_position_ids", mrope, INTEGER_DTYPES, (3, B, S), True),
+    # where they are (host or device), like find_segments does. Written out, not looped: this runs per batch.
+    if labels is not None and not (
+        isinstance(labels, torch.Tensor)
+        and labels.dtype in INTEGER_DTYPES
+        and labels.shape == shape
+        and labels.is_cpu
+        and on_host
     ):
-        if t is not None and not (
-            isinstance(t, torch.Tensor)
-            and t.dtype in dtypes
-            and t.shape == expected
-            and (not same_device or (t.is_cpu and on_host))
-        ):
-            _raise_bad_key(name, t, dtypes, expected, same_device, tokens, tokens_key)
+        _raise_bad_key("labels", labels, INTEGER_DTYPES, shape, True, tokens, tokens_key)
+    if loss_mask is not None and not (
+        isinstance(loss_mask, torch.Tensor)
+        and loss_mask.dtype in MASK_DTYPES
+        and loss_mask.shape == shape
+        and loss_mask.is_cpu
+        and on_host
+    ):
+        _raise_bad_key("loss_mask", loss_mask, MASK_DTYPES, shape, True, tokens, tokens_key)
+    if position_ids is not None and not (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.dtype in INTEGER_DTYPES
+        and position_ids.shape == shape
+    ):
+        _raise_bad_key("position_ids", position_ids, INTEGER_DTYPES, shape, False, tokens, tokens_key)
+    if mrope is not None:
+        _raise_bad_key("mrope_position_ids", mrope, INTEGER_DTYPES, (3, B, S), True, tokens, tokens_key)
     if attention_mask is not None and not (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype in MASK_DTYPES
