@@ -74,7 +74,8 @@ def pack_kernel(
         weight = tl.load(loss_mask_ptr + src, mask=real, other=0).to(tl.float32)
     else:
         weight = tl.full([BLOCK], 1.0, dtype=tl.float32)
-    weight = tl.where(label == ignore_index, 0.0, weight)
+    # A negative label is no target whatever its value (ignore_index, or -1 from another convention).
+    weight = tl.where((label == ignore_index) | (label < 0), 0.0, weight)
 
     # out_long holds three [T] rows: labels, position ids, gather index.
     tl.store(out_tokens_ptr + p, token, mask=valid)

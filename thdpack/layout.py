@@ -20,6 +20,10 @@ __all__ = ["Alignment", "PackLayout", "plan_layout"]
 
 MODES = ("distinct", "fold")
 
+# cu_seqlens are int32 (Transformer Engine's and Megatron-core's boundary dtype, and TE's max_seqlen), so a packed
+# row holds at most this many tokens.
+INT32_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class Alignment:
@@ -54,17 +58,25 @@ class Alignment:
     def __post_init__(self) -> None:
         for name in ("cp_size", "tp_size", "fp8_multiple"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Alignment.{name} must be a positive int, got {value!r}")
         if self.mode not in MODES:
             raise ValueError(f"Alignment.mode must be one of {MODES}, got {self.mode!r}")
         if self.pad_total_to is not None and (
-            not isinstance(self.pad_total_to, int) or self.pad_total_to % self.total_multiple
+            not isinstance(self.pad_total_to, int)
+            or isinstance(self.pad_total_to, bool)
+            or self.pad_total_to < 1
+            or self.pad_total_to % self.total_multiple
         ):
             raise ValueError(
                 f"Alignment.pad_total_to={self.pad_total_to!r} must be a multiple of {self.total_multiple} "
                 f"(the total alignment for cp={self.cp_size}, tp={self.tp_size}, "
                 f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8})"
+            )
+        if self.pad_total_to is not None and self.pad_total_to > INT32_MAX:
+            raise ValueError(
+                f"Alignment.pad_total_to={self.pad_total_to} is above {INT32_MAX}: cu_seqlens are int32, so a packed "
+                f"row holds at most {INT32_MAX} tokens"
             )
 
     @functools.cached_property
@@ -116,6 +128,12 @@ class PackLayout:
         ``[M]``; the real samples first)."""
         # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
         padded = padded_lengths.numpy()
+        total = int(padded.sum())
+        if total > INT32_MAX:
+            raise ValueError(
+                f"the packed row has {total} tokens: cu_seqlens are int32, so a packed row holds at most "
+                f"{INT32_MAX} tokens"
+            )
         same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
         num_real = int(lengths.numpy().sum())
         return cls._of_arrays(lengths, padded_lengths, attn_lengths, num_real, same, padded)
@@ -169,14 +187,32 @@ class PackLayout:
 
 
 def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
-    """Place samples of the given real ``lengths`` (int64 ``[N]``, host) into one aligned row."""
+    """Place samples of the given real ``lengths`` (integer ``[N]``, host, each >= 1) into one aligned row.
+
+    Raises:
+        TypeError: ``lengths`` not an integer tensor, ``alignment`` not an :class:`Alignment`.
+        ValueError: ``lengths`` on a device, not 1-D, empty or with a length below 1; a row above
+            ``INT32_MAX`` tokens (``cu_seqlens`` are int32); a row longer than ``pad_total_to``.
+    """
+    if not isinstance(alignment, Alignment):
+        raise TypeError(f"plan_layout's alignment is a {type(alignment).__name__}: pass a thdpack.Alignment")
+    return layout_of(lengths, _host_lengths(lengths), alignment)
+
+
+def layout_of(lengths: torch.Tensor, real: np.ndarray, alignment: Alignment) -> PackLayout:
+    """:func:`plan_layout` after its entrance checks, ``real`` being ``lengths`` as int64 numpy (for callers
+    whose lengths are valid by construction, e.g. ``pack_bshd``'s segments)."""
     a = alignment
-    real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
     m = a.sample_multiple
     num_real = int(real.sum())
     padded = real if m == 1 else (real + m - 1) // m * m
     body = num_real if m == 1 else int(padded.sum())
     total = -(-body // a.total_multiple) * a.total_multiple
+    if total > INT32_MAX:
+        raise ValueError(
+            f"the packed row needs {total} tokens ({lengths.numel()} samples, {num_real} real tokens): cu_seqlens "
+            f"are int32, so a packed row holds at most {INT32_MAX} tokens; send fewer tokens per micro-batch"
+        )
     if a.pad_total_to is not None:
         if total > a.pad_total_to:
             raise ValueError(
@@ -197,6 +233,31 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     # Each real length is at most its padded one, so the two agree exactly when their sums do.
     same = attn_is_physical or body == num_real
     return PackLayout._of_arrays(real_t, padded_t, attn_t, num_real, same, padded)
+
+
+def _host_lengths(lengths: torch.Tensor) -> np.ndarray:
+    """``lengths`` as an int64 numpy array, after the checks of :func:`plan_layout` (cheap: a few attribute reads
+    and one ``min`` over ``N`` entries)."""
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(
+            f"plan_layout's lengths is a {type(lengths).__name__}: pass an integer torch.Tensor [N]"
+        )
+    if lengths.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"plan_layout's lengths is {lengths.dtype}: sample lengths must be an integer tensor")
+    if not lengths.is_cpu:
+        raise ValueError(f"plan_layout's lengths is on {lengths.device}: the layout is planned on the host")
+    if lengths.dim() != 1 or lengths.numel() == 0:
+        raise ValueError(
+            f"plan_layout's lengths is {list(lengths.shape)}: it must be [N] with N >= 1 samples"
+        )
+    real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
+    if real.min() < 1:
+        i = int(np.argmax(real < 1))
+        raise ValueError(f"sample {i} has length {int(real[i])}: every sample needs at least one real token")
+    return real
+
+
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 def cumsum0(x, dtype=None):

@@ -17,9 +17,9 @@ import torch
 
 from .context_parallel import cp_partition_indices
 from .fused import fused_pack, fused_pack_available
-from .layout import Alignment, PackLayout, cumsum0, plan_layout
+from .layout import Alignment, PackLayout, cumsum0, layout_of
 from .positions import pack_mrope_position_ids
-from .segments import Segments, find_segments
+from .segments import INTEGER_DTYPES, MASK_DTYPES, Segments, check_tensor, segments_of
 
 __all__ = ["PackedBatch", "pack_bshd", "unpack_thd"]
 
@@ -44,9 +44,9 @@ class PackedBatch:
     Attributes:
         tokens: int64 ``[1, T]``, real tokens of every sample concatenated, ``pad_token_id`` on pad.
         labels: int64 ``[1, T]``, next-token target; ``ignore_index`` on pad and on targets that would cross
-            into another sample.
-        loss_mask: float32 ``[1, T]``, 1 where the loss counts (0 on pad, on ``ignore_index`` labels and where
-            the input loss mask was 0).
+            into another sample (a negative label of the batch, no target, is kept as given).
+        loss_mask: float32 ``[1, T]``, 1 where the loss counts (0 on pad, on negative labels, ``ignore_index``
+            among them, and where the input loss mask was 0).
         position_ids: int64 ``[1, T]``, restart at 0 at every segment; pad continues counting.
         cu_seqlens: int32 ``[M + 1]``, logical boundaries (the tokens attention treats as each sample).
         cu_seqlens_padded: int32 ``[M + 1]``, physical boundaries; *the same object* as ``cu_seqlens`` when no
@@ -180,71 +180,283 @@ def pack_bshd(
     """Pack a padded BSHD batch into one THD row.
 
     Args:
-        batch: ``tokens`` (or ``input_ids``) int ``[B, S]``; optional ``labels`` ``[B, S]`` (already shifted
-            within each row, Megatron's convention), ``loss_mask`` ``[B, S]``, ``attention_mask`` (any form
-            :func:`find_segments` takes), ``position_ids`` ``[B, S]``, ``mrope_position_ids`` ``[3, B, S]``,
-            and any other ``[B, S]`` tensor (gathered the same way into ``extra``).
+        batch: ``tokens`` (or ``input_ids``; both keys only if they hold the same tensor object) integer
+            ``[B, S]``, ``B, S >= 1``; optional ``labels`` integer ``[B, S]`` (already shifted within each row,
+            Megatron's convention), ``loss_mask`` ``[B, S]`` (bool, integer or float), ``attention_mask`` (any
+            form :func:`find_segments` takes: ``[B, S]`` or ``[B, 1, S, S]``), ``position_ids`` integer
+            ``[B, S]``, ``mrope_position_ids`` integer ``[3, B, S]``, and any other ``[B, S]`` tensor (gathered
+            the same way into ``extra``). A key whose value is None is absent.
         alignment: how to pad for CP/TP/SP/FP8 and buckets; see :class:`Alignment`.
         segments: the real samples, if already known (e.g. from the host mask while the batch is on the GPU:
             then packing costs no device sync). Default: ``find_segments(attention_mask, position_ids=...)``.
-        pad_token_id: token written on pad.
+        pad_token_id: token written on pad (an int >= 0: pad goes through the embedding too).
         ignore_index: label written where no target exists.
 
     Without ``labels``, targets are the next token within each sample (the last token of a sample gets
     ``ignore_index``). With ``labels``, a sample's last token that is followed by another sample in the same
     row gets ``ignore_index``: its shifted label is the next sample's first token.
 
+    A negative label is no target, whatever its value (``ignore_index``, or -1 from another convention): it is
+    kept as given and its loss mask is 0.
+
+    ``position_ids`` next to a mask are used, not ignored: with a 2D mask they split a real run where they
+    restart at 0, and in every case (2D or 4D mask, ``segments=``) each sample's first token must have id 0
+    (checked on host ids; the ids after a sample's first are not read). The packed row's ``position_ids``
+    restart at every sample and count up by 1.
+
     Returns:
         :class:`PackedBatch` on the device of ``tokens``.
-    """
-    fields = dict(batch)
-    if "tokens" in fields and "input_ids" in fields:
-        raise ValueError("batch has both 'tokens' and 'input_ids': pass one")
-    tokens = fields.pop("tokens", None)
-    if tokens is None:
-        tokens = fields.pop("input_ids", None)
-    if tokens is None or tokens.dim() != 2:
-        raise ValueError("batch needs 'tokens' (or 'input_ids') of shape [B, S]")
-    B, S = tokens.shape
-    labels = fields.pop("labels", None)
-    loss_mask = fields.pop("loss_mask", None)
-    attention_mask = fields.pop("attention_mask", None)
-    position_ids = fields.pop("position_ids", None)
-    mrope = fields.pop("mrope_position_ids", None)
-    for name, t in (
-        ("labels", labels),
-        ("loss_mask", loss_mask),
-        ("position_ids", position_ids),
-        *fields.items(),
-    ):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (B, S)):
-            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"batch key '{name}' is {shape}, but pack_bshd packs only [B, S] = [{B}, {S}] tensors"
-            )
-    if mrope is not None and mrope.shape != (3, B, S):
-        raise ValueError(f"batch key 'mrope_position_ids' is {list(mrope.shape)}, expected [3, {B}, {S}]")
 
+    Raises:
+        TypeError: a batch that is not a mapping, a value that is not a tensor, a dtype a key may not have
+            (float token ids or labels, say).
+        ValueError: naming the key, the row where there is one, and the rule: shapes that do not match
+            ``tokens``, an empty batch, a tensor on another device than ``tokens`` (the mask and position ids
+            may stay on the host), a batch already packed (use :func:`thdpack.from_packed_batch`), any mask
+            error of :func:`find_segments`, a row above ``2**31 - 1`` tokens; and, for a batch on the host, a
+            negative token id on a real token, or position ids that do not restart at 0 at a sample. A batch on
+            a GPU is not read back for these value checks (that would cost a sync): pack on the host, as
+            :func:`thdpack.megatron.batch.get_batch` does.
+    """
+    fields = split_bshd_batch(batch, "pack_bshd")
+    tokens, labels, loss_mask = fields.tokens, fields.labels, fields.loss_mask
+    check_fill_values(pad_token_id, ignore_index)
+    B, S = tokens.shape
     if segments is None:
-        if attention_mask is None and position_ids is None:
+        if fields.attention_mask is None and fields.position_ids is None:
             raise ValueError(
                 "pack_bshd needs 'attention_mask' or 'position_ids' in the batch (or segments=...) to know the "
                 "real tokens; for trailing pad ids use segments=find_segments(input_ids=..., pad_token_id=...)"
             )
-        segments = find_segments(attention_mask, position_ids=position_ids)
+        # The mask and position ids passed the entrance checks above (find_segments' own are not run twice).
+        segments = segments_of(fields.attention_mask, fields.position_ids)
     else:
+        if not isinstance(segments, Segments):
+            raise TypeError(f"segments is a {type(segments).__name__}: pass thdpack.Segments (find_segments)")
         segments.check((B, S))
-    return assemble(
+    if not isinstance(alignment, Alignment):
+        raise TypeError(f"alignment is a {type(alignment).__name__}: pass a thdpack.Alignment")
+    packed = assemble(
         tokens,
         labels,
         loss_mask,
-        mrope,
-        fields,
+        fields.mrope,
+        fields.extra,
         segments,
-        plan_layout(segments.length, alignment),
+        # Valid segments have lengths >= 1 by construction: plan_layout's own checks are not run twice.
+        layout_of(segments.length, segments.arrays[2], alignment),
         pad_token_id=pad_token_id,
         ignore_index=ignore_index,
+        tokens_key=fields.tokens_key,
     )
+    if fields.position_ids is not None and fields.position_ids.is_cpu:
+        _check_position_ids(fields.position_ids, segments)
+    return packed
+
+
+def check_fill_values(pad_token_id: int, ignore_index: int) -> None:
+    """``pad_token_id`` an int >= 0 (pad goes through the embedding too), ``ignore_index`` an int."""
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool):
+        raise TypeError(f"pad_token_id={pad_token_id!r}: it must be an int")
+    if pad_token_id < 0:
+        raise ValueError(f"pad_token_id={pad_token_id}: pad is embedded like any token, so it must be >= 0")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index={ignore_index!r}: it must be an int")
+
+
+class BshdFields(NamedTuple):
+    """A ``[B, S]`` batch split by role, every tensor checked for type, dtype, shape and device."""
+
+    tokens: torch.Tensor
+    tokens_key: str
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    mrope: torch.Tensor | None
+    extra: dict[str, torch.Tensor]
+
+
+# Keys of a batch that is already packed (Megatron-Bridge / NeMo): from_packed_batch takes those.
+PACKED_KEYS = frozenset(
+    {
+        "cu_seqlens",
+        "cu_seqlens_unpadded",
+        "cu_seqlens_argmin",
+        "cu_seqlens_unpadded_argmin",
+        "max_seqlen",
+        "cu_seqlens_q",
+        "cu_seqlens_kv",
+        "cu_seqlens_q_padded",
+        "cu_seqlens_kv_padded",
+        "max_seqlen_q",
+        "max_seqlen_kv",
+    }
+)
+
+
+def split_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFields:
+    """The entrance checks of :func:`pack_bshd` (also run by ``get_batch``'s padded baseline): types, dtypes,
+    shapes and devices of every key, from attributes only (no pass over the data, no device sync)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{caller} takes a mapping of tensors (a dict), got a {type(batch).__name__}")
+    fields = dict(batch)
+    tokens = fields.pop("tokens", None)
+    input_ids = fields.pop("input_ids", None)
+    tokens_key = "tokens"
+    if input_ids is not None:
+        if tokens is not None and tokens is not input_ids:
+            raise ValueError(
+                "batch has both 'tokens' and 'input_ids' as different tensors: pass one (the same tensor under both "
+                "names is accepted, as Megatron-Bridge's collators send it)"
+            )
+        tokens, tokens_key = input_ids, "input_ids" if tokens is None else "tokens"
+    if tokens is None:
+        raise ValueError("batch needs 'tokens' (or 'input_ids') of shape [B, S]")
+    check_tensor(f"batch key '{tokens_key}'", tokens, INTEGER_DTYPES, "token ids must be an integer tensor")
+    shape = tokens.shape
+    if len(shape) != 2 or not shape[0] or not shape[1]:
+        raise ValueError(
+            f"batch key '{tokens_key}' is {list(shape)}: it must be [B, S] with B >= 1 rows and S >= 1 columns"
+        )
+    if not PACKED_KEYS.isdisjoint(fields):
+        raise ValueError(
+            f"batch key '{min(PACKED_KEYS.intersection(fields))}' marks a batch that is already packed "
+            "(Megatron-Bridge / NeMo): adopt it with thdpack.from_packed_batch"
+        )
+    B, S = shape
+    on_host = tokens.is_cpu
+    labels = fields.pop("labels", None)
+    loss_mask = fields.pop("loss_mask", None)
+    position_ids = fields.pop("position_ids", None)
+    mrope = fields.pop("mrope_position_ids", None)
+    attention_mask = fields.pop("attention_mask", None)
+    # Each key in one test on the common path (a tensor of an allowed dtype and the right shape, on the tokens'
+    # side of host/device); _raise_bad_key names what is wrong otherwise. Position ids and the mask are read
+    # where they are (host or device), like find_segments does. Written out, not looped: this runs per batch.
+    if labels is not None and not (
+        isinstance(labels, torch.Tensor)
+        and labels.dtype in INTEGER_DTYPES
+        and labels.shape == shape
+        and labels.is_cpu
+        and on_host
+    ):
+        _raise_bad_key("labels", labels, INTEGER_DTYPES, shape, True, tokens, tokens_key)
+    if loss_mask is not None and not (
+        isinstance(loss_mask, torch.Tensor)
+        and loss_mask.dtype in MASK_DTYPES
+        and loss_mask.shape == shape
+        and loss_mask.is_cpu
+        and on_host
+    ):
+        _raise_bad_key("loss_mask", loss_mask, MASK_DTYPES, shape, True, tokens, tokens_key)
+    if position_ids is not None and not (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.dtype in INTEGER_DTYPES
+        and position_ids.shape == shape
+    ):
+        _raise_bad_key("position_ids", position_ids, INTEGER_DTYPES, shape, False, tokens, tokens_key)
+    if mrope is not None:
+        _raise_bad_key("mrope_position_ids", mrope, INTEGER_DTYPES, (3, B, S), True, tokens, tokens_key)
+    if attention_mask is not None and not (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype in MASK_DTYPES
+        and (attention_mask.shape == shape or attention_mask.shape == (B, 1, S, S))
+    ):
+        check_tensor("batch key 'attention_mask'", attention_mask, MASK_DTYPES, _WHAT[MASK_DTYPES])
+        raise ValueError(
+            f"batch key 'attention_mask' is {list(attention_mask.shape)} but '{tokens_key}' is {list(shape)}: "
+            f"every [B, S] key must match {tokens_key} (a 4D mask is [B, 1, S, S] = {[B, 1, S, S]})"
+        )
+    any_none = False
+    for name, t in fields.items():
+        if t is None:
+            any_none = True
+        elif not (isinstance(t, torch.Tensor) and t.shape == shape and t.is_cpu and on_host):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"batch key '{name}' is a {type(t).__name__}: {caller} packs only tensors (drop the key or make "
+                    "it a [B, S] tensor)"
+                )
+            _raise_bad_key(name, t, None, shape, True, tokens, tokens_key, caller)
+    if any_none:
+        fields = {k: v for k, v in fields.items() if v is not None}
+    return BshdFields(tokens, tokens_key, labels, loss_mask, attention_mask, position_ids, mrope, fields)
+
+
+_WHAT = {
+    INTEGER_DTYPES: "it must be an integer tensor (token ids, labels and position ids are integers)",
+    MASK_DTYPES: "it holds bool, integer or floating values",
+}
+
+
+def _raise_bad_key(
+    name: str,
+    t,
+    dtypes: frozenset | None,
+    expected: tuple,
+    same_device: bool,
+    tokens: torch.Tensor,
+    tokens_key: str,
+    caller: str = "pack_bshd",
+) -> None:
+    """Name what is wrong with batch key ``name`` (error path of :func:`split_bshd_batch`): its type, dtype,
+    shape, or device, in that order. Returns when nothing is (a device batch whose keys all agree)."""
+    if dtypes is not None:
+        check_tensor(f"batch key '{name}'", t, dtypes, _WHAT[dtypes])
+    if t.shape != expected:
+        if dtypes is None:
+            rule = f"{caller} gathers every other key as a [B, S] tensor, and every [B, S] key must match {tokens_key}"
+        elif len(expected) == 2:
+            rule = f"every [B, S] key must match {tokens_key}"
+        else:
+            rule = f"{name} must be {list(expected)} ([3, B, S]: temporal, height, width)"
+        raise ValueError(
+            f"batch key '{name}' is {list(t.shape)} but '{tokens_key}' is {list(tokens.shape)}: {rule}"
+        )
+    if same_device and t.device != tokens.device:
+        raise ValueError(
+            f"batch key '{name}' is on {t.device} but '{tokens_key}' on {tokens.device}: token-aligned tensors must "
+            "be on one device (the mask and position ids may stay on the host)"
+        )
+
+
+class _BadValue(Exception):
+    """A value check failed at ``position`` of the packed row (turned into a ``ValueError`` by assemble)."""
+
+    def __init__(self, key: str, position: int, value: int, rule: str):
+        self.key, self.position, self.value, self.rule = key, position, value, rule
+
+
+def _first_bad(key: str, values: np.ndarray, bad: np.ndarray, rule: str) -> _BadValue:
+    position = int(np.argmax(bad.reshape(-1)))
+    return _BadValue(key, position, int(values.reshape(-1)[position]), rule)
+
+
+def _source_of(segments: Segments, layout: PackLayout, position: int) -> tuple[int, int]:
+    """``(row, column)`` in the source batch of a real position of the packed row (error path only)."""
+    cu_padded = layout.arrays[1]
+    i = int(np.searchsorted(cu_padded, position, side="right")) - 1
+    row, start, _ = segments.arrays
+    return int(row[i]), int(start[i]) + position - int(cu_padded[i])
+
+
+def _check_position_ids(position_ids: torch.Tensor, segments: Segments) -> None:
+    """Each sample's first token has position id 0 (an ``N``-sized read of host ids: ids that count on across a
+    sample boundary, or start a left-padded row at its column, are caught; the ids after a sample's first are
+    not read, the packed row's restart at every sample and count up by 1)."""
+    ids = position_ids.numpy()
+    row, start, _ = segments.arrays
+    # One sample per row, each at column 0 (right padding, the common case; two samples of one row cannot both
+    # start there): a column view instead of a gather. count_nonzero: a fifth of .any()'s per-call cost here.
+    one_per_row = row.size == ids.shape[0] and not np.count_nonzero(start)
+    first = ids[:, 0] if one_per_row else ids[row, start]
+    if np.count_nonzero(first):
+        i = int(np.argmax(first != 0))
+        raise ValueError(
+            f"row {int(row[i])} of position_ids has {int(first[i])} at column {int(start[i])}, where sample {i} "
+            "starts: position ids must restart at 0 at every sample (the packed row's position_ids do)"
+        )
 
 
 def assemble(
@@ -258,13 +470,22 @@ def assemble(
     *,
     pad_token_id: int,
     ignore_index: int,
+    labels_cross_samples: bool = True,
+    tokens_key: str = "tokens",
 ) -> PackedBatch:
     """Build the :class:`PackedBatch` that places ``segments`` of the ``[B, S]`` inputs as ``layout`` says.
 
-    Shared by :func:`pack_bshd` and :func:`thdpack.from_packed_batch`; inputs are assumed validated.
+    Shared by :func:`pack_bshd` and :func:`thdpack.from_packed_batch`; inputs are assumed validated, but for
+    their values: on the host path, a negative token id at a real position raises ``ValueError`` naming
+    ``tokens_key``, the source row and column.
+    ``labels_cross_samples``: given labels are shifted over whole rows (Megatron's BSHD convention), so the last
+    token of a sample followed by another in its row gets ``ignore_index``; False when they are shifted within
+    each sample (packed SFT batches), where that label is the sample's own last target and is kept.
     """
     B, S = tokens.shape
-    table = _segment_table(segments, layout, S, derive_labels=labels is None)
+    table = _segment_table(
+        segments, layout, S, derive_labels=labels is None, labels_cross_samples=labels_cross_samples
+    )
     if fused_pack_available(tokens, labels, loss_mask):
         # One kernel writes every output (see thdpack.fused); the table and the boundaries go in one copy,
         # and the kernel reads the table from the start of that buffer (no device-side views of it).
@@ -286,7 +507,14 @@ def assemble(
             plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
         else:
             plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
-        outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
+        try:
+            outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
+        except _BadValue as bad:
+            key = tokens_key if bad.key == "tokens" else bad.key
+            row, col = _source_of(segments, layout, bad.position)
+            raise ValueError(
+                f"row {row} of '{key}' has {bad.value} at column {col}, a real token: {bad.rule}"
+            ) from None
         packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
         gather, fill = plan.gather, plan.pad_index
     return PackedBatch(
@@ -321,12 +549,22 @@ def unpack_thd(x: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> to
     Returns:
         ``[B, S, ...]`` with ``x``'s values at the original positions of the real tokens.
     """
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(
+            f"unpack_thd's packed is a {type(packed).__name__}: pass the PackedBatch x belongs to"
+        )
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"unpack_thd's x is a {type(x).__name__}: pass a torch.Tensor [1, T, ...] or [T, ...]"
+        )
     if packed.cp_size != 1:
         raise ValueError(
             "unpack_thd needs a full row packed by pack_bshd: on a CP shard, reassemble the row first with "
             "thdpack.cp_unshard"
         )
     T = packed.total_tokens
+    if x.dim() == 0:
+        raise ValueError(f"unpack_thd got a 0-d tensor; expected [1, {T}, ...] or [{T}, ...]")
     if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == T:
         x = x[0]
     if x.shape[0] != T:
@@ -375,7 +613,11 @@ class _SegmentTable(NamedTuple):
 
 
 def _segment_table(
-    segments: Segments, layout: PackLayout, seq_len: int, derive_labels: bool
+    segments: Segments,
+    layout: PackLayout,
+    seq_len: int,
+    derive_labels: bool,
+    labels_cross_samples: bool = True,
 ) -> _SegmentTable:
     """Everything :class:`_TokenPlan` needs, per segment, computed on the host (``[M]`` and short lists).
 
@@ -403,16 +645,18 @@ def _segment_table(
         np.add(seg_start, length, out=real_end)
         np.subtract(row * seq_len + first, seg_start, out=shift)
         pad_index = np.zeros(0, dtype=np.int64)
-    # Derived labels: every sample's last token has no target. Given labels: a sample followed by another in
-    # its row has that sample's first token as its last token's label.
+    # Derived labels: every sample's last token has no target. Given labels shifted over whole rows: a sample
+    # followed by another in its row has that sample's first token as its last token's label.
     last = real_end[:n] - 1
     if derive_labels:
         end_flag[:n] = 1
         sample_ends = last
-    else:
+    elif labels_cross_samples:
         crossing = row[1:] == row[:-1]
         end_flag[: n - 1] = crossing
         sample_ends = last[:-1][crossing]
+    else:
+        sample_ends = last[:0]
     no_target = np.concatenate([sample_ends, pad_index]) if num_pad else sample_ends
     return _SegmentTable(padded_length, rows, no_target, pad_index, T, derive_labels)
 
@@ -459,11 +703,21 @@ def _gather_outputs(
     """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[1, T]``, from a
     plan of numpy arrays (host batch: numpy gathers, cheaper per call there) or of tensors on the batch's
     device (the torch path when the fused kernel cannot run)."""
-    packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     source = tokens if labels is None else labels
-    if isinstance(plan.gather, np.ndarray):  # host: labels and loss mask stay numpy until they are done
+    if isinstance(plan.gather, np.ndarray):  # host: every output stays numpy until it is done
+        # Token ids are checked on the packed row (pad holds pad_token_id >= 0): one pass over [T]. A negative
+        # label is no target whatever its value (ignore_index, or -1 from another convention): it stays as given
+        # and the loss mask is 0 there.
+        tokens_np = _take_host(tokens, plan.gather, plan.pad_index, pad_token_id)  # integer dtypes numpy has
+        if tokens_np.min() < 0:
+            raise _first_bad(
+                "tokens", tokens_np, tokens_np < 0, "token ids must be >= 0 (the embedding reads them)"
+            )
+        packed_tokens = torch.from_numpy(tokens_np)
         labels_np = _take_host(source, plan.label_index, plan.no_target, ignore_index, np.int64)
-        no_count = labels_np == ignore_index
+        no_count = labels_np < 0
+        if ignore_index >= 0:
+            no_count |= labels_np == ignore_index
         if loss_mask is None:
             loss_mask_np = np.logical_not(no_count).astype(np.float32)
         else:
@@ -472,8 +726,11 @@ def _gather_outputs(
         position_ids = torch.from_numpy(plan.position_ids.reshape(1, -1))
         padding_mask = torch.from_numpy(plan.padding_mask.reshape(1, -1))
     else:
+        packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
         packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
-        no_count = packed_labels == ignore_index
+        no_count = packed_labels < 0  # as on the host
+        if ignore_index >= 0:
+            no_count |= packed_labels == ignore_index
         if loss_mask is None:
             packed_loss_mask = (~no_count).float()
         else:

@@ -141,15 +141,31 @@ def find_segments(
         skipped.
 
     Raises:
+        TypeError: an argument that is not a tensor, a mask that is not bool, integer or floating, position ids
+            or input ids that are not integer, a ``pad_token_id`` that is not an int.
         ValueError: naming the row, column and rule, for holes in a 0/1 mask, split segment ids, a 4D mask that
-            is not block-diagonal causal, negative or non-integer values, shape mismatches, or a batch with no
-            real token at all.
+            is not block-diagonal causal, negative or non-integer values, shape mismatches, an empty batch
+            (``B = 0`` or ``S = 0``), or a batch with no real token at all.
+
+    With a 4D mask, position ids are not read (the mask alone says where samples start; only their shape is
+    checked): :func:`thdpack.pack_bshd` checks them against the samples.
 
     A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of a ``[7, B]`` table of per-row statistics
     that one Triton kernel writes, see :func:`thdpack.fused.fused_row_stats`), and so do position ids on the GPU
     next to a host mask (of the columns the restart check reads); pass host tensors, which data loaders deliver,
     to cost none.
     """
+    _check_arguments(attention_mask, position_ids, input_ids, pad_token_id)
+    return segments_of(attention_mask, position_ids, input_ids, pad_token_id)
+
+
+def segments_of(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    input_ids: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
+) -> Segments:
+    """:func:`find_segments` after its entrance checks (for callers that ran them already, e.g. ``pack_bshd``)."""
     if attention_mask is not None:
         if attention_mask.dim() == 4:
             if position_ids is not None:
@@ -200,6 +216,51 @@ def find_segments(
     return _segments_from_runs(real, begins)
 
 
+# What each input may hold. Integer dtypes are the ones numpy reads as they are (thdpack reads host tensors with
+# numpy); a mask may also be bool or floating (HF additive masks, bfloat16 collators).
+INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+MASK_DTYPES = INTEGER_DTYPES | {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def check_tensor(name: str, t, dtypes: frozenset, what: str) -> None:
+    """Raise ``TypeError`` unless ``t`` is a tensor of one of ``dtypes`` (``what`` says which, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}: pass a torch.Tensor ({what})")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} is {t.dtype}: {what}")
+
+
+def _check_arguments(attention_mask, position_ids, input_ids, pad_token_id) -> None:
+    """find_segments' entrance: types and dtypes, and a batch of at least one row and one column (a few
+    attribute reads, no pass over the data)."""
+    shape = None
+    if attention_mask is not None:
+        check_tensor(
+            "attention_mask", attention_mask, MASK_DTYPES, "a mask holds bool, integer or floating values"
+        )
+        shape = attention_mask.shape
+    if position_ids is not None:
+        check_tensor("position_ids", position_ids, INTEGER_DTYPES, "position ids must be an integer tensor")
+        shape = shape or position_ids.shape
+    if input_ids is not None:
+        check_tensor("input_ids", input_ids, INTEGER_DTYPES, "token ids must be an integer tensor")
+        shape = shape or input_ids.shape
+    if pad_token_id is not None and (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool)):
+        raise TypeError(f"pad_token_id is {pad_token_id!r}: it must be an int")
+    if shape is not None and len(shape) >= 2 and (shape[0] == 0 or shape[-1] == 0):
+        name = (
+            "attention_mask"
+            if attention_mask is not None
+            else "position_ids"
+            if position_ids is not None
+            else "input_ids"
+        )
+        raise ValueError(
+            f"{name} has shape {list(shape)}: an empty batch has no sample (a batch needs B >= 1 rows and S >= 1 "
+            "columns)"
+        )
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     # One device-to-host copy at most per input tensor; a host tensor is returned as is.
     return t if t.is_cpu else t.cpu()
@@ -221,7 +282,8 @@ def _shift_right(x: torch.Tensor, fill: bool | int) -> torch.Tensor:
 def _check_integral_nonnegative(name: str, m: torch.Tensor) -> None:
     bad = m < 0
     if m.is_floating_point():
-        bad = bad | (m != m.round()) | ~torch.isfinite(m)
+        # Values from 2^62 on would not convert to int64 exactly (and no batch has that many samples).
+        bad = bad | (m != m.round()) | ~torch.isfinite(m) | (m >= 2.0**62)
     if bool(bad.any()):
         b, j = (int(v) for v in bad.nonzero()[0])
         raise ValueError(
@@ -400,7 +462,9 @@ def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tens
     ids = ids.long()
     begins = real & ((ids != _shift_right(ids, -1)) | ~_shift_right(real, False))
     rows, cols = begins.nonzero(as_tuple=True)
-    key = rows * (int(ids.max()) + 1) + ids[rows, cols]
+    # The ids renumbered 0..K-1 first, so that row * K + id cannot overflow int64 whatever the ids' values.
+    values, renumbered = torch.unique(ids[rows, cols], return_inverse=True)
+    key = rows * values.numel() + renumbered
     _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
     if bool((counts > 1).any()):
         first_repeated = key[int((counts[inverse] > 1).nonzero()[0])]
@@ -430,7 +494,9 @@ def _from_4d_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             )
         attend = m == 0
     else:
-        raise ValueError(f"a 4D attention_mask must be bool or float, got {m.dtype}")
+        raise TypeError(
+            f"attention_mask is a 4D {m.dtype} mask: a 4D mask must be bool (True = attend) or additive float"
+        )
     real = attend.diagonal(dim1=1, dim2=2).clone()
     to_prev = torch.zeros_like(real)
     to_prev[:, 1:] = attend.diagonal(offset=-1, dim1=1, dim2=2)

@@ -216,7 +216,8 @@ def test_wrong_shaped_key_is_an_error_naming_it():
     batch = design_example_batch()
     batch["images"] = torch.zeros(3, 4, 5)
     with pytest.raises(
-        ValueError, match=r"batch key 'images' is \[3, 4, 5\], but pack_bshd packs only \[B, S\]"
+        ValueError,
+        match=r"batch key 'images' is \[3, 4, 5\] but 'tokens' is \[3, 4\]: pack_bshd gathers every other",
     ):
         pack_bshd(batch)
 

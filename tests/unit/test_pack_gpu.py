@@ -183,3 +183,37 @@ def test_a_batch_on_another_gpu_than_the_current_one_takes_the_torch_path():
     assert packed.tokens.device == other
     assert_same_token_tensors(packed, expected)
     assert segments_or_error(gpu["attention_mask"]) == segments_or_error(host["attention_mask"])
+
+
+def test_negative_labels_are_no_target_on_every_path(path):
+    # A label of -1 (another convention's "no target") stays as given and counts no loss, as on the host.
+    host = batch()
+    host["labels"][:, ::3] = -1
+    segments = find_segments(host["attention_mask"])
+    gpu = {k: v.cuda() for k, v in host.items() if k != "attention_mask"}
+    assert_same_token_tensors(pack_bshd(gpu, segments=segments), pack_bshd(host))
+
+
+def test_adopting_bridges_current_offline_form_on_a_gpu_makes_no_sync(path):
+    # src/megatron/bridge/data/packing/gpt_sft.py without pad_seq_to_mult: the fill [8, 10) is a slot of
+    # cu_seqlens_q that padding_mask (host) marks as pad; token tensors on the GPU.
+    pad = torch.tensor([[False] * 8 + [True] * 2])
+    host = {
+        "tokens": torch.tensor([[11, 12, 13, 21, 22, 31, 32, 33, 2, 2]]),
+        "labels": torch.tensor([[12, 13, 2, 22, 2, 32, 33, 2, 2, 2]]),
+        "loss_mask": torch.tensor([[1.0, 1, 1, 1, 1, 0, 1, 1, 0, 0]]),
+        "padding_mask": pad,
+        "cu_seqlens_q": torch.tensor([[0, 3, 5, 8, 10]], dtype=torch.int32),
+        "max_seqlen_q": torch.tensor([[3]], dtype=torch.int32),
+    }
+    gpu = {k: v.cuda() if k in ("tokens", "labels", "loss_mask") else v for k, v in host.items()}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = from_packed_batch(gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = from_packed_batch(host)
+    assert_same_token_tensors(packed, expected)
+    assert expected.labels.tolist() == [[12, 13, 2, 22, 2, 32, 33, 2, -100, -100]]
+    assert torch.equal(packed.padding_mask.cpu(), pad)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack import Alignment, PackedBatch, pack_bshd
+from thdpack.pack import split_bshd_batch
 
 __all__ = ["BatchConfig", "ModelInputs", "get_batch"]
 
@@ -98,6 +99,11 @@ def get_batch(
         if data_iterator is None:
             raise ValueError("the first rank of each tensor-parallel group needs a data_iterator")
         batch = next(data_iterator)
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"the data iterator yielded a {type(batch).__name__}: get_batch takes a mapping of [B, S] tensors "
+                "(tokens, attention_mask, labels, ...)"
+            )
         if config.pack_sequences_in_batch:
             batch = pack_bshd(
                 batch,
@@ -154,19 +160,33 @@ def _packed_inputs(
 
 def _bshd_inputs(batch: Mapping[str, torch.Tensor], first: bool, last: bool, device, config) -> ModelInputs:
     """The padded baseline: causal attention that never looks at a pad key; per-token loss on real targets."""
-    tokens = batch["tokens"] if "tokens" in batch else batch["input_ids"]
+    # pack_bshd's entrance checks (types, dtypes, shapes, devices), then what this baseline needs of the mask.
+    fields = split_bshd_batch(batch, "get_batch")
+    tokens, mask = fields.tokens, fields.attention_mask
     B, S = tokens.shape
-    real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones(B, S, dtype=torch.bool)
-    if real.dim() != 2:
-        raise ValueError("the padded BSHD baseline takes a 2D 0/1 attention_mask")
-    labels = batch.get("labels")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"batch key 'attention_mask' is {list(mask.shape)}: the padded BSHD baseline takes a 2D 0/1 mask (4D masks "
+            "need pack_sequences_in_batch=True)"
+        )
+    if mask is not None and mask.dtype != torch.bool:
+        lo, hi = torch.aminmax(mask.cpu())  # the baseline is a reference, not a fast path
+        if lo < 0 or hi > 1:
+            raise ValueError(
+                f"batch key 'attention_mask' holds values in [{lo.item()}, {hi.item()}]: the padded BSHD baseline takes "
+                "a 0/1 mask (segment ids, several samples per row, need pack_sequences_in_batch=True)"
+            )
+    real = mask.bool() if mask is not None else torch.ones(B, S, dtype=torch.bool)
+    labels = fields.labels
     if labels is None:
         labels = torch.full_like(tokens, config.ignore_index)
         labels[:, :-1] = torch.where(real[:, 1:], tokens[:, 1:], config.ignore_index)
-    loss_mask = batch.get("loss_mask")
-    loss_mask = (labels != config.ignore_index).float() * (1.0 if loss_mask is None else loss_mask.float())
+    loss_mask = fields.loss_mask
+    # A negative label is no target (pack_bshd's rule), ignore_index or not.
+    has_target = (labels >= 0) & (labels != config.ignore_index)
+    loss_mask = has_target.float() * (1.0 if loss_mask is None else loss_mask.float())
     loss_mask = loss_mask * real
-    position_ids = batch.get("mrope_position_ids", batch.get("position_ids"))
+    position_ids = fields.mrope if fields.mrope is not None else fields.position_ids
     if position_ids is None:
         position_ids = torch.arange(S).expand(B, S)
 
@@ -201,7 +221,11 @@ def _check_moe_dispatcher(model_config, config: BatchConfig) -> None:
 
 
 def _labels_for_model(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return labels.masked_fill(labels == ignore_index, 0)
+    # Any negative label is no target (thdpack.pack_bshd's rule: ignore_index, or -1 from another convention).
+    no_target = labels < 0
+    if ignore_index >= 0:
+        no_target |= labels == ignore_index
+    return labels.masked_fill(no_target, 0)
 
 
 def _device() -> torch.device:

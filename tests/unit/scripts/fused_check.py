@@ -53,6 +53,8 @@ def main(n: int) -> int:
         labels = loss_mask = None
         if given_labels:
             labels = torch.where(torch.rand(ids.shape, generator=g) < 0.2, IGNORE, tokens.roll(-1, 1).long())
+            # -1: no target in another convention; both paths keep it and give it no loss
+            labels = torch.where(torch.rand(ids.shape, generator=g) < 0.1, -1, labels)
             batch["labels"] = labels
         if with_loss_mask:
             loss_mask = (torch.rand(ids.shape, generator=g) < 0.8).bfloat16()
