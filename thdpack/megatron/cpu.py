@@ -39,6 +39,11 @@ Patches (megatron-core file: function, and why):
    cannot be rebound per module, so `Tensor.cuda` is the identity only while that one function runs
    (once per model build).
 
+7. optimizer/distrib_optimizer.py `DistributedOptimizer.__init__` and optimizer/clip_grads.py
+   `clip_grad_by_total_norm_fp32` accept parameters and gradients by their type names
+   (`param.type() == "torch.cuda.FloatTensor"`): while those two functions run, `Tensor.type()` with no
+   argument names a CPU tensor's type as its CUDA counterpart.
+
 Collectives: gloo in torch 2.13 implements everything tensor_parallel, the pipeline schedules and the
 MoE dispatchers call (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single,
 batch_isend_irecv), so TP with sequence parallelism needs no fallback.
@@ -102,6 +107,12 @@ _CUDA_PINNED_MODULES = {
     "megatron.core.pipeline_parallel.schedules": 'forward_backward_*: total_num_tokens on device="cuda"',
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers on CUDA; communication stream",
     "megatron.core.distributed.distributed_data_parallel": "DDP communication stream",
+    "megatron.core.optimizer.optimizer": "found_inf / overflow buffers on device='cuda'",
+    "megatron.core.optimizer.distrib_optimizer": "state gather buffers on the current CUDA device",
+    "megatron.core.optimizer.clip_grads": "total norm and overflow buffers on device='cuda'",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors: cuda.synchronize",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "save finalize: failure flags on CUDA",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "execute_sync: cuda.synchronize",
 }
 
 
@@ -184,7 +195,7 @@ def _pin_modules_to_cpu():
 
 
 # ---------------------------------------------------------------------------------------------
-# 2.-6. one function per patch
+# 2.-7. one function per patch
 # ---------------------------------------------------------------------------------------------
 
 
@@ -254,6 +265,39 @@ def _tied_embedding_stays_on_cpu():
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _cuda_type_names_in_optimizer():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip
+
+
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(tensor, *args, **kwargs):
+    name = _TENSOR_TYPE(tensor, *args, **kwargs)
+    if args or kwargs or tensor.device.type != "cpu":
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        torch.Tensor.type = _cuda_type_name
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _TENSOR_TYPE
+
+    return wrapper
+
+
 # ---------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +342,7 @@ def enable_cpu_support() -> None:
     _allow_sequence_parallel_torch_norm()
     _split_sizes_as_numpy()
     _tied_embedding_stays_on_cpu()
+    _cuda_type_names_in_optimizer()
     _enabled = True
 
 
