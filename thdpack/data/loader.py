@@ -59,7 +59,8 @@ class TrainData:
     Counters (global over all ranks, the same on every rank, kept in :meth:`state_dict`): ``consumed``
     (stream position: samples read, dropped ones included), ``steps``, ``samples_seen`` (samples delivered),
     ``truncated``, ``dropped``, ``fillers`` (empty budget micro-batches), ``real_tokens`` (tokens delivered).
-    Per step: ``num_microbatches_last``, ``rank_tokens_last`` (this rank's real tokens).
+    Per step: ``num_microbatches_last``, ``rank_tokens_last`` (this rank's real tokens), ``step_lengths``
+    (``[rank][micro-batch]`` -> int64 array of the sample lengths, every rank's: what the step computes on).
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class TrainData:
         self.consumed = self.steps = self.samples_seen = 0
         self.truncated = self.dropped = self.fillers = self.real_tokens = 0
         self.num_microbatches_last = self.rank_tokens_last = 0
+        self.step_lengths: list[list[np.ndarray]] = []
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
 
     @property
@@ -133,15 +135,13 @@ class TrainData:
         if self.micro_batch_tokens is None:
             mbs, dp = self.micro_batch_size, self.dp_size
             count = self.global_batch_size // (mbs * dp)
-            mine = [
-                list(range((m * dp + self.dp_rank) * mbs, (m * dp + self.dp_rank + 1) * mbs))
-                for m in range(count)
+            plan = [
+                [list(range((m * dp + r) * mbs, (m * dp + r + 1) * mbs)) for m in range(count)] for r in range(dp)
             ]
-            fillers = 0
         else:
             plan = plan_microbatches(lengths, self.dp_size, self.micro_batch_tokens, self.cost_weights)
-            mine = plan[self.dp_rank]
-            fillers = sum(not mb for rank in plan for mb in rank)
+        mine = plan[self.dp_rank]
+        fillers = sum(not mb for rank in plan for mb in rank)
         # A filler micro-batch holds one pad token that is no target: every rank runs the same number of
         # passes, and the filler adds nothing to the loss or its token count.
         filler = Sample(np.array([self.pad_id], np.int64), np.zeros(1, bool), "<filler>")
@@ -161,6 +161,7 @@ class TrainData:
         self.real_tokens += int(lengths.sum())
         self.num_microbatches_last = len(batches)
         self.rank_tokens_last = int(sum(lengths[i] for mb in mine for i in mb))
+        self.step_lengths = [[lengths[mb] for mb in rank] for rank in plan]
         return batches
 
     def _read(self, count: int) -> tuple[list[Sample], int, int, int]:
@@ -243,7 +244,7 @@ _MISSING = object()
 
 
 def build_train_data(
-    dataset_cfg: Mapping, *, dp_rank: int, dp_size: int, seed: int, tokenizer=None
+    dataset_cfg: Mapping, *, dp_rank: int, dp_size: int, seed: int, tokenizer=None, dataset=None, **overrides
 ) -> TrainData:
     """:class:`TrainData` from a recipe's ``dataset`` mapping (a dict or an OmegaConf ``DictConfig``).
 
@@ -255,8 +256,10 @@ def build_train_data(
     training loop and are ignored here.
 
     ``tokenizer``: an already built tokenizer; None builds ``dataset_cfg.tokenizer``. The result carries it as
-    ``.tokenizer`` (``vocab_size`` for the model).
+    ``.tokenizer`` (``vocab_size`` for the model). ``dataset``: an already built dataset (e.g. a split of it);
+    None builds ``dataset_cfg.name``. ``overrides``: keys that replace the mapping's (e.g. ``shuffle=False``).
     """
+    dataset_cfg = {**dataset_cfg, **overrides}
 
     def get(key, default=_MISSING):
         value = dataset_cfg.get(key, default)
@@ -269,8 +272,10 @@ def build_train_data(
 
         tokenizer = build_tokenizer(get("tokenizer", "byte"))
     micro_batch_tokens = get("micro_batch_tokens", None)
+    if dataset is None:
+        dataset = build_dataset(get("name"), get("path", None), tokenizer, max_files=get("max_files", None))
     data = TrainData(
-        build_dataset(get("name"), get("path", None), tokenizer, max_files=get("max_files", None)),
+        dataset,
         seq_length=int(get("seq_length")),
         global_batch_size=int(get("global_batch_size")),
         micro_batch_size=get("micro_batch_size")

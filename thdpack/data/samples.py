@@ -63,6 +63,32 @@ class SampleDataset(Protocol):
     def __getitem__(self, index: int) -> Sample: ...
 
 
+class Subset:
+    """Samples ``start`` to ``stop`` of ``dataset`` (e.g. a held-out tail for evaluation), as a dataset."""
+
+    def __init__(self, dataset: SampleDataset, start: int, stop: int):
+        if not 0 <= start <= stop <= len(dataset):
+            raise ValueError(f"subset [{start}, {stop}) is outside a dataset of {len(dataset)} samples")
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.dataset[self.start + index]
+
+
+def split_holdout(dataset: SampleDataset, holdout: int) -> tuple[SampleDataset, SampleDataset]:
+    """``(train, held out)``: the last ``holdout`` samples are held out and never trained on."""
+    if not 0 <= holdout < len(dataset):
+        raise ValueError(
+            f"cannot hold out {holdout} of {len(dataset)} samples for evaluation: lower trainer.eval_samples"
+        )
+    return Subset(dataset, 0, len(dataset) - holdout), Subset(dataset, len(dataset) - holdout, len(dataset))
+
+
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
