@@ -1,0 +1,137 @@
+"""What a training run writes to its run directory: ``metrics.jsonl`` (one JSON object per logged step),
+TensorBoard events (``tensorboard/``), ``summary.json`` and ``curves.png`` (loss and throughput), plus a
+progress bar in a terminal or plain log lines otherwise. Only the logging rank (last pipeline stage, first
+tensor-, context- and data-parallel rank) writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MetricsWriter", "plot_curves", "summarize"]
+
+log = logging.getLogger("thdpack")
+
+
+class MetricsWriter:
+    """Per-step records to ``run_dir``; a no-op on ranks that do not log (``enabled=False``)."""
+
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, total_iters: int, start_iter: int, progress_bar: str | bool = "auto"
+    ):
+        self.run_dir, self.enabled = Path(run_dir), enabled
+        self.records: list[dict[str, Any]] = []
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        except ImportError:  # tensorboard is a dependency; a broken install only loses the events
+            log.warning("tensorboard is not importable: no TensorBoard events are written")
+        if progress_bar == "auto":
+            progress_bar = sys.stderr.isatty()
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_iters, initial=start_iter, unit="it", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+        line = _format(record)
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix_str(line, refresh=True)
+        else:
+            log.info("step %d | %s", step, line)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        steps = [r for r in self.records if "loss" in r]
+        if steps:
+            plot_curves({"run": steps}, self.run_dir / "curves.png")
+
+
+def _format(record: dict[str, Any]) -> str:
+    parts = [f"loss {record['loss']:.4f}"] if "loss" in record else []
+    if "eval_loss" in record:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    for key, fmt in (
+        ("lr", "lr {:.2e}"),
+        ("grad_norm", "grad {:.3f}"),
+        ("real_tokens_per_s", "{:,.0f} real tok/s"),
+        ("pad_fraction", "pad {:.1%}"),
+        ("step_time_s", "{:.3f} s"),
+        ("tflops", "{:.3g} TFLOP/s"),
+    ):
+        if key in record:
+            parts.append(fmt.format(record[key]))
+    return " | ".join(parts)
+
+
+def summarize(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, float]:
+    """Means over the logged steps after the first ``skip_first`` (warm-up), and the last loss."""
+    steady = [r for r in records if "step_time_s" in r][skip_first:] or [r for r in records if "step_time_s" in r]
+    out: dict[str, float] = {}
+    if not steady:
+        return out
+    time = sum(r["step_time_s"] for r in steady)
+    out["steps_measured"] = len(steady)
+    out["step_time_s"] = time / len(steady)
+    out["real_tokens_per_s"] = sum(r["real_tokens"] for r in steady) / time
+    out["all_tokens_per_s"] = sum(r["all_tokens"] for r in steady) / time
+    out["pad_fraction"] = 1.0 - sum(r["real_tokens"] for r in steady) / sum(r["all_tokens"] for r in steady)
+    if all("tflops" in r for r in steady):
+        out["tflops"] = float(np.mean([r["tflops"] for r in steady]))
+    losses = [r["loss"] for r in records if "loss" in r]
+    if losses:
+        out["final_loss"] = losses[-1]
+    return out
+
+
+def plot_curves(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Loss and real tokens/s against step, one line per run (``runs``: name -> records)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, records in runs.items():
+        steps = [r["step"] for r in records]
+        ax_loss.plot(steps, [r["loss"] for r in records], label=name)
+        ax_tps.plot(steps, [r["real_tokens_per_s"] for r in records], label=name)
+    ax_loss.set(xlabel="step", ylabel="loss (per real token)", title="training loss")
+    ax_tps.set(xlabel="step", ylabel="real tokens / s", title="throughput on real tokens")
+    for ax in (ax_loss, ax_tps):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
