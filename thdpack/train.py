@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
@@ -33,6 +34,7 @@ from .checks import check_recipe, micro_batch_tokens
 from .flops import FlopsModel
 from .layout import Alignment, plan_layout
 from .metrics import MetricsWriter, summarize
+from .profiling import profile
 
 log = logging.getLogger("thdpack")
 
@@ -89,8 +91,29 @@ def main(cfg: DictConfig) -> None:
     train(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Run the recipe ``cfg``; write metrics to ``run_dir`` (rank 0 of the last stage); return the summary."""
+@dataclass
+class Run:
+    """Everything a training step needs, built from a recipe by :func:`setup_run`."""
+
+    cfg: DictConfig
+    runtime: Any  # thdpack.megatron.setup.Runtime
+    data: Any  # thdpack.data.TrainData, this data-parallel rank's stream
+    held_out: Any  # the evaluation samples (empty unless trainer.eval_interval)
+    data_kwargs: dict
+    config: Any  # megatron.core TransformerConfig
+    model: Any  # DistributedDataParallel(GPTModel)
+    optimizer: Any
+    scheduler: Any
+    forward_step: Any
+    forward_backward: Any
+    alignment: Alignment
+    flops: FlopsModel
+    logging_rank: bool
+
+
+def setup_run(cfg: DictConfig) -> Run:
+    """Check the recipe, start the process groups, build the data stream, the model, the optimizer and the
+    schedule (``torch.distributed`` from the torchrun environment; one process without it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -98,8 +121,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from .data.samples import split_holdout
     from .megatron import setup
     from .megatron.batch import BatchConfig
-    from .megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
-    from .megatron.step import make_forward_step, reduce_loss_report
+    from .megatron.step import make_forward_step
 
     _setup_logging()
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
@@ -120,10 +142,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
     tokenizer = build_tokenizer(data_cfg.tokenizer)
-    dataset = build_dataset(data_cfg.name, data_cfg.get("path"), tokenizer, max_files=data_cfg.get("max_files"))
+    dataset = build_dataset(
+        data_cfg.name,
+        data_cfg.get("path"),
+        tokenizer,
+        max_files=data_cfg.get("max_files"),
+        synthetic=data_cfg.get("synthetic"),
+    )
     eval_interval = trainer.get("eval_interval")
     dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
-    mrope = cfg.model.get("position_embedding_type") == "mrope"
     budget = micro_batch_tokens(data_cfg)
     data_kwargs = dict(
         dp_rank=ps.get_data_parallel_rank(),
@@ -131,15 +158,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         seed=int(trainer.seed),
         tokenizer=tokenizer,
         micro_batch_tokens=budget,
-        mrope=mrope,
+        mrope=cfg.model.get("position_embedding_type") == "mrope",
     )
     data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
 
     config = setup.transformer_config(cfg.model, parallel, runtime)
     vocab_size = setup.padded_vocab_size(cfg.model, tokenizer.vocab_size, config.tensor_model_parallel_size)
-    seq_length = int(data_cfg.seq_length)
-    model = setup.build_model(cfg.model, config, vocab_size, seq_length, runtime)
+    model = setup.build_model(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
     optimizer, scheduler = setup.build_optimizer(trainer, model, config)
     batch_config = BatchConfig(
         pack_sequences_in_batch=packed,
@@ -148,17 +174,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         pad_token_id=tokenizer.pad_id,
     )
     alignment = batch_config.alignment(config)
-    forward_step = make_forward_step(batch_config)
-    forward_backward = get_forward_backward_func()
-    flops = FlopsModel.of(config, vocab_size)
+    batching = "padded BSHD"
+    if packed:
+        batching = f"packed ({alignment.mode}, " + (f"{budget}-token micro-batches)" if budget else "micro_batch_size samples)")
     log.info(
-        "model: %s, %s attention, %s, %s | %s | world %d = dp %d x tp %d x pp %d x cp %d (ep %d)",
+        "model: %s, %s attention, %s, %s%s | %s | world %d = dp %d x tp %d x pp %d x cp %d (ep %d)",
         cfg.model.get("name", "gpt"),
         runtime.backend,
         runtime.precision,
         runtime.device,
-        f"packed ({alignment.mode}, micro-batches of {budget} tokens)" if packed and budget else
-        ("packed" if packed else "padded BSHD"),
+        ", fused RoPE" if config.apply_rope_fusion else "",
+        batching,
         dist.get_world_size(),
         ps.get_data_parallel_world_size(),
         config.tensor_model_parallel_size,
@@ -166,26 +192,82 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         config.context_parallel_size,
         config.expert_model_parallel_size,
     )
+    return Run(
+        cfg=cfg,
+        runtime=runtime,
+        data=data,
+        held_out=held_out,
+        data_kwargs=data_kwargs,
+        config=config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        forward_step=make_forward_step(batch_config),
+        forward_backward=get_forward_backward_func(),
+        alignment=alignment,
+        flops=FlopsModel.of(config, vocab_size),
+        logging_rank=logging_rank,
+    )
 
+
+def forward_backward(run: Run, batches: list[dict], forward_only: bool = False) -> list[dict]:
+    """Megatron's schedule over ``batches`` (this rank's micro-batches): thdpack's forward step packs each one;
+    gradients are reduced after the last. Returns the loss reports (last pipeline stage; empty elsewhere)."""
+    if not forward_only:
+        run.model.zero_grad_buffer()
+        run.optimizer.zero_grad()
+    return run.forward_backward(
+        forward_step_func=run.forward_step,
+        data_iterator=iter(batches),
+        model=[run.model],
+        num_microbatches=len(batches),
+        seq_length=int(run.cfg.dataset.seq_length),
+        micro_batch_size=int(run.cfg.dataset.micro_batch_size),
+        forward_only=forward_only,
+    ) or []
+
+
+def train_step(run: Run, batches: list[dict]) -> tuple[list[dict], bool, float]:
+    """One optimizer step over one global batch: ``(loss reports, updated, grad_norm)``. The update is held back
+    when the gradient norm is not finite (see :func:`thdpack.megatron.setup.optimizer_step`)."""
+    from .megatron.setup import optimizer_step
+
+    losses = forward_backward(run, batches)
+    updated, grad_norm = optimizer_step(run.optimizer)
+    if updated:
+        run.scheduler.step(increment=1)
+    return losses, updated, grad_norm
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Run the recipe ``cfg``; write metrics to ``run_dir`` (rank 0 of the last stage); return the summary."""
+    from megatron.core import parallel_state as ps
+
+    from .megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from .megatron.step import reduce_loss_report
+
+    run = setup_run(cfg)
+    trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
-        state = load_checkpoint(ckpt_dir, resume_from, model, optimizer, scheduler)
+        state = load_checkpoint(ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler)
         data.load_state_dict(state["data"])
         iteration = int(state["iteration"])
         log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
 
     def save(at: int) -> None:
         if ckpt_dir is not None:
-            save_checkpoint(ckpt_dir, at, model, optimizer, scheduler, {"data": data.state_dict()})
+            save_checkpoint(ckpt_dir, at, run.model, run.optimizer, run.scheduler, {"data": data.state_dict()})
             log.info("saved checkpoint of iteration %d to %s", at, ckpt_dir)
 
     train_iters = int(trainer.train_iters)
     exit_interval, save_interval = trainer.get("exit_interval"), cfg.checkpoint.get("save_interval")
+    eval_interval, profile_step = trainer.get("eval_interval"), trainer.get("profile_step")
     writer = MetricsWriter(
         run_dir,
-        enabled=logging_rank,
+        enabled=run.logging_rank,
         total_iters=train_iters,
         start_iter=iteration,
         progress_bar=trainer.get("progress_bar", "auto"),
@@ -195,41 +277,30 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     while iteration < train_iters:
         step_start = time.perf_counter()
         batches = data.next_step()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=len(batches),
-            seq_length=seq_length,
-            micro_batch_size=int(data_cfg.micro_batch_size),
-            forward_only=False,
-        )
-        updated, grad_norm = setup.optimizer_step(optimizer)
+        profiled = profile_step is not None and iteration + 1 == int(profile_step)
+        with profile(enabled=profiled, device=run.runtime.device) as prof:
+            losses, updated, grad_norm = train_step(run, batches)
         iteration += 1
-        if updated:
-            scheduler.step(increment=1)
-        else:
+        if not updated:
             where = _nonfinite_microbatch(losses)
-            message = (
-                f"step {iteration}: the gradient norm is {grad_norm}"
-                + (f"; the first non-finite loss is in micro-batch {where} of {len(batches)}" if where else "")
+            message = f"step {iteration}: the gradient norm is {grad_norm}" + (
+                f"; the first non-finite loss is in micro-batch {where} of {len(batches)}" if where else ""
             )
             if trainer.on_nonfinite == "error":
                 raise FloatingPointError(message + " (trainer.on_nonfinite=skip drops such updates and goes on)")
             skipped += 1
             log.warning("%s: update skipped (%d so far)", message, skipped)
         log_now = iteration % int(trainer.log_interval) == 0 or iteration == train_iters
-        loss = float(reduce_loss_report(losses)) if log_now and ps.is_pipeline_last_stage(ignore_virtual=True) else None
+        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        loss = float(reduce_loss_report(losses)) if log_now and last_stage else None
         step_time = time.perf_counter() - step_start
-        if log_now:
-            record = _step_record(iteration, loss, grad_norm, step_time, data, data_cfg, alignment, flops)
-            record |= {"lr": optimizer.param_groups[0]["lr"], "skipped": not updated}
+        if log_now or profiled:
+            record = _step_record(iteration, loss, grad_norm, step_time, run)
+            record |= {"lr": run.optimizer.param_groups[0]["lr"], "skipped": not updated}
+            if profiled:
+                record |= prof.summary(run_dir if run.logging_rank else None)
             if eval_interval and iteration % int(eval_interval) == 0:
-                record["eval_loss"] = _evaluate(
-                    data_cfg, held_out, data_kwargs, int(trainer.eval_iters), forward_backward, forward_step, model
-                )
+                record["eval_loss"] = _evaluate(run, int(trainer.eval_iters))
             writer.log(record)
         if save_interval and iteration % int(save_interval) == 0:
             save(iteration)
@@ -245,24 +316,27 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "iterations": iteration,
         "wall_time_s": time.perf_counter() - started,
         "skipped_updates": skipped,
-        "packed": packed,
-        "device": runtime.device,
-        "precision": runtime.precision,
-        "attention_backend": runtime.backend,
+        "packed": bool(cfg.dataset.pack_sequences_in_batch),
+        "device": run.runtime.device,
+        "precision": run.runtime.precision,
+        "attention_backend": run.runtime.backend,
         "world_size": dist.get_world_size(),
-        "data": {k: v for k, v in data.state_dict().items() if k not in ("seed",)},
+        "data": {k: v for k, v in data.state_dict().items() if k != "seed"},
         **summarize(writer.records),
     }
+    if run.runtime.device == "cuda":
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     writer.close(summary)
-    if logging_rank:
+    if run.logging_rank:
         log.info("summary: %s", {k: v for k, v in summary.items() if k != "data"})
-    _shutdown(runtime)
+    _shutdown()
     return summary
 
 
-def _step_record(iteration, loss, grad_norm, step_time, data, data_cfg, alignment, flops) -> dict:
+def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
     """One step's metrics over the whole global batch (every rank's micro-batches, from the loader's plan):
     real tokens, and the tokens the model computes on (packed rows as thdpack aligns them, or padded rows)."""
+    data, data_cfg, alignment, flops = run.data, run.cfg.dataset, run.alignment, run.flops
     lengths = [mb for rank in data.step_lengths for mb in rank if mb.size]
     real = int(sum(int(mb.sum()) for mb in lengths))
     if data_cfg.pack_sequences_in_batch:
@@ -298,28 +372,17 @@ def _nonfinite_microbatch(losses) -> int | None:
     return None
 
 
-def _evaluate(data_cfg, held_out, data_kwargs, iters, forward_backward, forward_step, model) -> float | None:
+def _evaluate(run: Run, iters: int) -> float | None:
     """Mean per-token loss on the first ``iters`` global batches of the held-out samples (the same every time)."""
     from megatron.core import parallel_state as ps
 
     from .data import build_train_data
     from .megatron.step import reduce_loss_report
 
-    data = build_train_data(data_cfg, dataset=held_out, shuffle=False, **data_kwargs)
-    reports = []
-    model.eval()
-    for _ in range(iters):
-        batches = data.next_step()
-        reports += forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=len(batches),
-            seq_length=int(data_cfg.seq_length),
-            micro_batch_size=int(data_cfg.micro_batch_size),
-            forward_only=True,
-        ) or []
-    model.train()
+    data = build_train_data(run.cfg.dataset, dataset=run.held_out, shuffle=False, **run.data_kwargs)
+    run.model.eval()
+    reports = [report for _ in range(iters) for report in forward_backward(run, data.next_step(), forward_only=True)]
+    run.model.train()
     return float(reduce_loss_report(reports)) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
@@ -333,7 +396,7 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _shutdown(runtime) -> None:
+def _shutdown() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()

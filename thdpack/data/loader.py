@@ -36,7 +36,7 @@ from .samples import Sample, SampleDataset
 __all__ = ["OVERLONG", "TrainData", "build_dataset", "build_train_data"]
 
 OVERLONG = ("truncate", "drop", "error")
-DATASETS = ("embedded", "jsonl", "megatron_indexed")
+DATASETS = ("embedded", "jsonl", "megatron_indexed", "synthetic")
 _STATE_KEYS = ("consumed", "epoch", "steps", "samples_seen", "truncated", "dropped", "fillers", "real_tokens")
 
 
@@ -220,13 +220,22 @@ class TrainData:
                 setattr(self, key, int(state[key]))
 
 
-def build_dataset(name: str, path: str | None, tokenizer, *, max_files: int | None = None) -> SampleDataset:
-    """The dataset ``name`` (``embedded``, ``jsonl`` or ``megatron_indexed``); ``path`` is the JSONL file or the
-    indexed prefix (unused by ``embedded``; ``max_files`` is ``embedded``'s subset option)."""
+def build_dataset(
+    name: str, path: str | None, tokenizer, *, max_files: int | None = None, synthetic: Mapping | None = None
+) -> SampleDataset:
+    """The dataset ``name`` (``embedded``, ``jsonl``, ``megatron_indexed`` or ``synthetic``); ``path`` is the JSONL
+    file or the indexed prefix (unused by ``embedded``; ``max_files`` is ``embedded``'s subset option);
+    ``synthetic``: the keyword arguments of :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary."""
     if name == "embedded":
         from .embedded import EmbeddedDataset
 
         return EmbeddedDataset(tokenizer, max_files=max_files)
+    if name == "synthetic":
+        from .synthetic import SyntheticDataset
+
+        if not synthetic:
+            raise ValueError("dataset.name=synthetic needs dataset.synthetic (num_samples, median or mean, sigma, ...)")
+        return SyntheticDataset(**synthetic, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
     if name not in DATASETS:
         raise ValueError(f"dataset.name is '{name}': it must be one of {list(DATASETS)}")
     if not path:
@@ -273,7 +282,9 @@ def build_train_data(
         tokenizer = build_tokenizer(get("tokenizer", "byte"))
     micro_batch_tokens = get("micro_batch_tokens", None)
     if dataset is None:
-        dataset = build_dataset(get("name"), get("path", None), tokenizer, max_files=get("max_files", None))
+        dataset = build_dataset(
+            get("name"), get("path", None), tokenizer, max_files=get("max_files", None), synthetic=get("synthetic", None)
+        )
     data = TrainData(
         dataset,
         seq_length=int(get("seq_length")),

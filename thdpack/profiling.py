@@ -1,0 +1,87 @@
+"""One training step under the torch profiler and CUDA's sync check (``trainer.profile_step=N``).
+
+What a step spends, measured where it happens: the step's wall time against the GPU's busy time (kernels and
+copies; a step whose GPU is busy for a small part of its wall time is host-bound), the host time spent inside
+torch operators, the number of kernel launches, and every host-device synchronization with the line of Python
+that caused it (``torch.cuda.set_sync_debug_mode("warn")``). The table of the costliest operators goes to
+``profile_step.txt`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["StepProfile", "profile"]
+
+
+class StepProfile:
+    def __init__(self) -> None:
+        self.profiler = None
+        self.wall_s = 0.0
+        self.syncs: list[str] = []
+
+    def summary(self, run_dir: Path | None = None) -> dict[str, Any]:
+        """The step's measured split (keys ``profile_*``); writes ``profile_step.txt`` into ``run_dir`` if given."""
+        events = self.profiler.key_averages()
+        host_us = sum(e.self_cpu_time_total for e in events)
+        device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+        sites = collections.Counter(self.syncs)
+        if run_dir is not None:
+            sort = "self_cuda_time_total" if device_us else "self_cpu_time_total"
+            table = events.table(sort_by=sort, row_limit=40)
+            lines = [f"{count:5d} x {site}" for site, count in sites.most_common()]
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(run_dir) / "profile_step.txt").write_text(
+                f"wall {self.wall_s * 1e3:.1f} ms, GPU busy {device_us / 1e3:.1f} ms, host in operators "
+                f"{host_us / 1e3:.1f} ms, {launches} kernel launches, {len(self.syncs)} syncs\n"
+                + ("syncs by site:\n" + "\n".join(lines) + "\n" if lines else "")
+                + "\n"
+                + table
+                + "\n"
+            )
+        return {
+            "profile_wall_s": self.wall_s,
+            "profile_device_busy_s": device_us / 1e6,
+            "profile_host_operator_s": host_us / 1e6,
+            "profile_kernel_launches": int(launches),
+            "profile_syncs": len(self.syncs),
+            "profile_sync_sites": dict(sites.most_common(10)),
+        }
+
+
+@contextlib.contextmanager
+def profile(enabled: bool, device: str):
+    """Profile the block when ``enabled`` (else a no-op); on CUDA, also count its synchronizations."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    result = StepProfile()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with warnings.catch_warnings(record=True) as caught, torch_profile(activities=activities) as prof:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        start = time.perf_counter()
+        try:
+            yield result
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+            result.wall_s = time.perf_counter() - start
+    result.profiler = prof
+    result.syncs = [
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)
+    ]
