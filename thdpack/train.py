@@ -346,6 +346,7 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
     else:
         processed = sum(mb.size * int(mb.max()) for mb in lengths)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0)
+    model_flops = flops.training_flops(all_lengths)  # on real tokens, all ranks together
     record = {
         "step": iteration,
         "grad_norm": grad_norm,
@@ -355,7 +356,8 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
         "step_time_s": step_time,
         "real_tokens_per_s": real / step_time,
         "all_tokens_per_s": processed / step_time,
-        "tflops": flops.training_flops(all_lengths) / step_time / dist.get_world_size() / 1e12,
+        "model_flops": model_flops,
+        "tflops": model_flops / step_time / dist.get_world_size() / 1e12,
         "num_microbatches": data.num_microbatches_last,
         "samples": int(all_lengths.size),
     }
