@@ -260,7 +260,7 @@ def write_report(results: dict, args, gpu: str, tag: str, flops) -> None:
             busy = p.get("device_busy_s", 0) / p["wall_s"] if p.get("wall_s") else None
             lines.append(
                 f"| {mix} | {mode} | {m['real_tokens_per_s']:,.0f} | {m['step_time_s']:.3f} | "
-                f"{m['tflops_per_gpu_real']:.0f} | {m['peak_memory_gib'] or 0:.1f} | {m['pad_fraction']:.1%} | "
+                f"{m['tflops_per_gpu_real']:.3g} | {m['peak_memory_gib'] or 0:.1f} | {m['pad_fraction']:.1%} | "
                 f"{_fmt(m.get('speedup_over_padded_seq'), '{:.2f}x')} | {_fmt(m.get('ideal_speedup'), '{:.2f}x')} | "
                 f"{_fmt(m.get('fraction_of_ideal'), '{:.2f}')} | {_fmt(busy, '{:.0%}')} | {p.get('syncs', '-')} | "
                 f"{m['packer_share_of_step']:.2%} |"

@@ -31,7 +31,7 @@ class StepProfile:
         """The step's measured split (keys ``profile_*``); writes ``profile_step.txt`` into ``run_dir`` if given."""
         events = self.profiler.key_averages()
         host_us = sum(e.self_cpu_time_total for e in events)
-        device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+        device_us = _busy_us(self.profiler.events())
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
         sites = collections.Counter(self.syncs)
         if run_dir is not None:
@@ -55,6 +55,22 @@ class StepProfile:
             "profile_syncs": len(self.syncs),
             "profile_sync_sites": dict(sites.most_common(10)),
         }
+
+
+def _busy_us(events) -> float:
+    """Time the GPU ran anything (kernels, copies, memsets): the union of their intervals, so that work on
+    several streams at once counts once."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
 
 
 @contextlib.contextmanager

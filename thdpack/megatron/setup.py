@@ -8,6 +8,7 @@ Transformer Engine attention. On CPU: gloo through :mod:`thdpack.megatron.cpu`, 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import math
 import os
@@ -129,7 +130,8 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
         # Megatron fuses the bias with gelu or swiglu (silu, gated) only
         bias_activation_fusion=not on_cpu and (activation == "gelu" or (activation == "silu" and gated)),
         masked_softmax_fusion=not on_cpu,
-        gradient_accumulation_fusion=runtime.backend == "te",
+        # Megatron's output layer fuses the weight-gradient accumulation with Apex's extension only
+        gradient_accumulation_fusion=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         persist_layer_norm=not on_cpu,
         apply_rope_fusion=runtime.backend == "te",
     )
@@ -203,7 +205,6 @@ def build_model(model: Mapping, config, vocab_size: int, max_sequence_length: in
 def build_optimizer(trainer: Mapping, model, config):
     """Megatron's distributed Adam (``get_megatron_optimizer``) and ``OptimizerParamScheduler`` (warmup, then
     decay to ``min_lr`` over ``lr_decay_iters``; stepped once per iteration)."""
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -240,8 +241,28 @@ def build_optimizer(trainer: Mapping, model, config):
     # the last one, and the per-token division by the step's token count (calculate_per_token_loss).
     config.no_sync_func = model.no_sync
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_grads_per_token
     return optimizer, scheduler
+
+
+def finalize_grads_per_token(model, num_tokens=None, **kwargs) -> None:
+    """Megatron's ``finalize_model_grads``, with the division by the global batch's token count done on the
+    device: megatron-core (0.16) tests ``num_tokens > 0`` on the host, one host-device sync per step. A step
+    with no counted token leaves the gradients as they are (they are zero), as Megatron's test does."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+    if num_tokens is None:
+        return
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # the count is known on the last stage only
+        dist.broadcast(
+            num_tokens, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+    dist.all_reduce(num_tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
+    scale = 1.0 / num_tokens.clamp(min=1).to(torch.float32)
+    for chunk in model:
+        chunk.scale_gradients(scale)
 
 
 @torch.no_grad()
