@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,17 +36,29 @@ import torch
 
 MIXES = {
     "embedded": ["dataset=embedded"],
-    "chat": ["dataset=synthetic", "dataset.synthetic.median=700", "dataset.synthetic.sigma=1.0",
-             "dataset.synthetic.min_length=32"],
-    "megatron": ["dataset=synthetic", "~dataset.synthetic.median", "+dataset.synthetic.mean=1024",
-                 "dataset.synthetic.sigma=1.5", "dataset.synthetic.min_length=128"],
+    "chat": [
+        "dataset=synthetic",
+        "dataset.synthetic.median=700",
+        "dataset.synthetic.sigma=1.0",
+        "dataset.synthetic.min_length=32",
+    ],
+    "megatron": [
+        "dataset=synthetic",
+        "~dataset.synthetic.median",
+        "+dataset.synthetic.mean=1024",
+        "dataset.synthetic.sigma=1.5",
+        "dataset.synthetic.min_length=128",
+    ],
 }
 MODES = {
     "padded_seq": ["dataset.pack_sequences_in_batch=false", "dataset.pad_to=seq_length"],
     "padded_longest": ["dataset.pack_sequences_in_batch=false", "dataset.pad_to=longest"],
     "packed_samples": ["dataset.pack_sequences_in_batch=true", "dataset.micro_batch_tokens=null"],
-    "packed_budget": ["dataset.pack_sequences_in_batch=true", "dataset.micro_batch_tokens=auto",
-                      "dataset.pad_to=longest"],
+    "packed_budget": [
+        "dataset.pack_sequences_in_batch=true",
+        "dataset.micro_batch_tokens=auto",
+        "dataset.pad_to=longest",
+    ],
 }
 
 
@@ -69,6 +82,7 @@ def run_one(overrides: list[str], run_dir: Path) -> dict:
             packer_s.append(time.perf_counter() - start)
 
     step.get_batch = timed_get_batch
+    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start from an empty run directory
     os.environ.pop("MASTER_PORT", None)  # a fresh store for each run of this process
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -102,7 +116,9 @@ def measure(result: dict, warmup: int) -> dict:
         "final_loss": summary.get("final_loss"),
         "packer_host_s_per_step": packer_per_step,
         "packer_share_of_step": packer_per_step / (time_s / len(steady)),
-        "profiled_step": {k.removeprefix("profile_"): v for k, v in profiled.items() if k.startswith("profile_")},
+        "profiled_step": {
+            k.removeprefix("profile_"): v for k, v in profiled.items() if k.startswith("profile_")
+        },
     }
     return out
 
@@ -120,8 +136,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", default=None, help="hardware tag in file names (default: from the GPU name)")
     parser.add_argument("--work", type=Path, default=Path("outputs/e2e"), help="run directories")
+    parser.add_argument("--combine", type=Path, nargs="+", help="merge these e2e JSON files into one report")
     parser.add_argument("extra", nargs="*", help="recipe overrides for every run")
     args = parser.parse_args()
+    if args.combine:
+        combine(args.combine, args.out)
+        return
 
     from hydra import compose, initialize_config_dir
 
@@ -130,7 +150,9 @@ def main() -> None:
     from thdpack.train import recipes_dir
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    tag = args.tag or ("h200" if "H200" in gpu else "h100" if "H100" in gpu else "cpu" if gpu == "cpu" else "gpu")
+    tag = args.tag or (
+        "h200" if "H200" in gpu else "h100" if "H100" in gpu else "cpu" if gpu == "cpu" else "gpu"
+    )
     steps = args.warmup + args.steps
     common = [
         f"model={args.model}",
@@ -146,7 +168,9 @@ def main() -> None:
     with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
         cfg = compose("train", overrides=common)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = transformer_config(cfg.model, cfg.parallel, Runtime(device, "bf16" if device == "cuda" else "fp32", "torch", True))
+    config = transformer_config(
+        cfg.model, cfg.parallel, Runtime(device, "bf16" if device == "cuda" else "fp32", "torch", True)
+    )
     from thdpack.data import build_tokenizer
     from thdpack.megatron.setup import padded_vocab_size
 
@@ -194,6 +218,39 @@ def add_ideal(by_mode: dict, flops, args) -> None:
         m["fraction_of_ideal"] = measured / ideal if ideal else None
 
 
+def combine(paths: list[Path], out: Path) -> None:
+    """One report from several runs of this script (e.g. one length mix per device call)."""
+    payloads = [json.loads(p.read_text()) for p in paths]
+    payload = payloads[0]
+    for other in payloads[1:]:
+        if other["setup"] != payload["setup"] or other["device"] != payload["device"]:
+            raise ValueError(f"cannot combine runs of different setups or devices: {paths}")
+        payload["results"].update(other["results"])
+    payload["headline"] = _headline(payload["results"])
+    _write(payload, out, payload["tag"])
+
+
+def _headline(results: dict) -> dict:
+    keys = (
+        "fraction_of_ideal",
+        "speedup_over_padded_seq",
+        "ideal_speedup",
+        "tflops_per_gpu_real",
+        "packer_share_of_step",
+    )
+    headline = {}
+    for mix, by_mode in results.items():
+        budget = by_mode.get("packed_budget", {})
+        headline[mix] = {k: budget.get(k) for k in keys}
+        headline[mix]["steady_state_syncs"] = budget.get("profiled_step", {}).get("syncs")
+        padded = by_mode.get("padded_seq", {})
+        headline[mix]["peak_memory_gib_packed_vs_padded"] = [
+            budget.get("peak_memory_gib"),
+            padded.get("peak_memory_gib"),
+        ]
+    return headline
+
+
 def write_report(results: dict, args, gpu: str, tag: str, flops) -> None:
     import importlib.metadata as md
 
@@ -203,22 +260,13 @@ def write_report(results: dict, args, gpu: str, tag: str, flops) -> None:
         except md.PackageNotFoundError:
             return None
 
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    stem = args.out / f"e2e_{tag}_{date}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    headline = {
-        mix: {
-            "fraction_of_ideal": by_mode.get("packed_budget", {}).get("fraction_of_ideal"),
-            "speedup_over_padded_seq": by_mode.get("packed_budget", {}).get("speedup_over_padded_seq"),
-            "ideal_speedup": by_mode.get("packed_budget", {}).get("ideal_speedup"),
-            "steady_state_syncs": by_mode.get("packed_budget", {}).get("profiled_step", {}).get("syncs"),
-            "tflops_per_gpu_real": by_mode.get("packed_budget", {}).get("tflops_per_gpu_real"),
-            "packer_share_of_step": by_mode.get("packed_budget", {}).get("packer_share_of_step"),
-        }
+    results = {
+        mix: {mode: {k: v for k, v in m.items() if k != "records"} for mode, m in by_mode.items()}
         for mix, by_mode in results.items()
     }
     payload = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tag": tag,
         "device": gpu,
         "versions": {
             "python": platform.python_version(),
@@ -237,18 +285,26 @@ def write_report(results: dict, args, gpu: str, tag: str, flops) -> None:
             "extra": args.extra,
             "flops_model": {"gemm_params": flops.gemm_params, "attn_coeff": flops.attn_coeff},
         },
-        "headline": headline,
-        "results": {mix: {mode: {k: v for k, v in m.items() if k != "records"} for mode, m in by_mode.items()}
-                    for mix, by_mode in results.items()},
+        "headline": _headline(results),
+        "results": results,
     }
+    _write(payload, args.out, tag)
+
+
+def _write(payload: dict, out: Path, tag: str) -> None:
+    results, setup = payload["results"], payload["setup"]
+    date = payload["date"][:10]
+    stem = out / f"e2e_{tag}_{date}"
+    out.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    gpu, versions = payload["device"], payload["versions"]
     lines = [
-        f"# End-to-end packing benchmark: {args.model} on {gpu}, {date}",
+        f"# End-to-end packing benchmark: {setup['model']} on {gpu}, {date}",
         "",
-        f"torch {payload['versions']['torch']}, megatron-core {payload['versions']['megatron-core']}, Transformer "
-        f"Engine {payload['versions']['transformer-engine']}; seq_length {args.seq_length}, micro_batch_size "
-        f"{args.micro_batch_size}, global_batch_size {args.global_batch_size} samples, {args.steps} timed steps "
-        f"after {args.warmup}. Command: `python benchmarks/e2e.py {' '.join(args.extra)}`.",
+        f"torch {versions['torch']}, megatron-core {versions['megatron-core']}, Transformer "
+        f"Engine {versions['transformer-engine']}; seq_length {setup['seq_length']}, micro_batch_size "
+        f"{setup['micro_batch_size']}, global_batch_size {setup['global_batch_size']} samples, {setup['steps']} "
+        f"timed steps after {setup['warmup']}. Extra overrides: `{' '.join(setup['extra'])}`.",
         "",
         "| mix | batching | real tok/s | s/step | TFLOP/s/GPU (real) | peak GiB | pad | speedup | ideal | of ideal "
         "| GPU busy | syncs | packer |",
@@ -266,7 +322,7 @@ def write_report(results: dict, args, gpu: str, tag: str, flops) -> None:
                 f"{m['packer_share_of_step']:.2%} |"
             )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(results, stem.with_suffix(".png"), f"{args.model} on {gpu}")
+    plot(results, stem.with_suffix(".png"), f"{setup['model']} on {gpu}")
     print("\n".join(lines))
     print(f"wrote {stem}.json, .md, .png")
 

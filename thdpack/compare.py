@@ -28,8 +28,20 @@ def run(overrides: list[str], out: Path, nproc: int) -> dict[str, dict]:
         run_dir = out / name
         launcher = [sys.executable, "-m", "thdpack.train"]
         if nproc > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "-m", "thdpack.train"]
-        command = [*launcher, f"dataset.pack_sequences_in_batch={packed}", f"hydra.run.dir={run_dir}", *overrides]
+            launcher = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={nproc}",
+                "-m",
+                "thdpack.train",
+            ]
+        command = [
+            *launcher,
+            f"dataset.pack_sequences_in_batch={packed}",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()
         subprocess.run(command, check=True, env={**os.environ, "THDPACK_RUN_STAMP": out.name})
@@ -54,21 +66,34 @@ def report(results: dict[str, dict], out: Path) -> str:
         lines.append(
             f"{label:30} {fmt.format(packed['summary'][key]):>12} {fmt.format(padded['summary'][key]):>12}"
         )
-    lines.append(f"{'training time (s)':30} {packed['summary']['wall_time_s']:>12.1f} {padded['summary']['wall_time_s']:>12.1f}")
+    lines.append(
+        f"{'training time (s)':30} {packed['summary']['wall_time_s']:>12.1f} {padded['summary']['wall_time_s']:>12.1f}"
+    )
     speedup = packed["summary"]["real_tokens_per_s"] / padded["summary"]["real_tokens_per_s"]
     by_step = {r["step"]: r["loss"] for r in padded["records"] if "loss" in r}
-    pairs = [(r["loss"], by_step[r["step"]]) for r in packed["records"] if r["step"] in by_step and "loss" in r]
+    pairs = [
+        (r["loss"], by_step[r["step"]]) for r in packed["records"] if r["step"] in by_step and "loss" in r
+    ]
     worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=float("nan"))
     lines.append(f"packed trains {speedup:.2f}x the real tokens per second of padded")
-    lines.append(f"per-step losses, packed against padded: largest relative difference {worst:.1e} over {len(pairs)} steps")
-    plot_curves({name: [r for r in res["records"] if "loss" in r] for name, res in results.items()}, out / "compare.png")
+    lines.append(
+        f"per-step losses, packed against padded: largest relative difference {worst:.1e} over {len(pairs)} steps"
+    )
+    plot_curves(
+        {name: [r for r in res["records"] if "loss" in r] for name, res in results.items()},
+        out / "compare.png",
+    )
     lines.append(f"curves: {out / 'compare.png'}; runs: {out / 'packed'}, {out / 'padded'}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other arguments: recipe overrides")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/compare-<time>)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="other arguments: recipe overrides"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default outputs/compare-<time>)"
+    )
     parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun), default 1")
     args, overrides = parser.parse_known_args(argv)
     out = args.out or Path("outputs") / f"compare-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}"

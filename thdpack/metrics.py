@@ -24,7 +24,13 @@ class MetricsWriter:
     """Per-step records to ``run_dir``; a no-op on ranks that do not log (``enabled=False``)."""
 
     def __init__(
-        self, run_dir: Path, *, enabled: bool, total_iters: int, start_iter: int, progress_bar: str | bool = "auto"
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_iters: int,
+        start_iter: int,
+        progress_bar: str | bool = "auto",
     ):
         self.run_dir, self.enabled = Path(run_dir), enabled
         self.records: list[dict[str, Any]] = []
@@ -32,7 +38,7 @@ class MetricsWriter:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -97,7 +103,9 @@ def _format(record: dict[str, Any]) -> str:
 
 def summarize(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, float]:
     """Means over the logged steps after the first ``skip_first`` (warm-up), and the last loss."""
-    steady = [r for r in records if "step_time_s" in r][skip_first:] or [r for r in records if "step_time_s" in r]
+    steady = [r for r in records if "step_time_s" in r][skip_first:] or [
+        r for r in records if "step_time_s" in r
+    ]
     out: dict[str, float] = {}
     if not steady:
         return out

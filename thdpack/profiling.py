@@ -32,7 +32,9 @@ class StepProfile:
         events = self.profiler.key_averages()
         host_us = sum(e.self_cpu_time_total for e in events)
         device_us = _busy_us(self.profiler.events())
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+        launches = sum(
+            e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")
+        )
         sites = collections.Counter(self.syncs)
         if run_dir is not None:
             sort = "self_cuda_time_total" if device_us else "self_cpu_time_total"
@@ -62,9 +64,7 @@ def _busy_us(events) -> float:
     several streams at once counts once."""
     from torch.autograd import DeviceType
 
-    spans = sorted(
-        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
-    )
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
     for start, stop in spans:
         if stop > end:
@@ -99,5 +99,7 @@ def profile(enabled: bool, device: str):
             result.wall_s = time.perf_counter() - start
     result.profiler = prof
     result.syncs = [
-        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)
+        f"{Path(w.filename).name}:{w.lineno}"
+        for w in caught
+        if "synchronizing CUDA operation" in str(w.message)
     ]

@@ -176,7 +176,9 @@ def setup_run(cfg: DictConfig) -> Run:
     alignment = batch_config.alignment(config)
     batching = "padded BSHD"
     if packed:
-        batching = f"packed ({alignment.mode}, " + (f"{budget}-token micro-batches)" if budget else "micro_batch_size samples)")
+        batching = f"packed ({alignment.mode}, " + (
+            f"{budget}-token micro-batches)" if budget else "micro_batch_size samples)"
+        )
     log.info(
         "model: %s, %s attention, %s, %s%s | %s | world %d = dp %d x tp %d x pp %d x cp %d (ep %d)",
         cfg.model.get("name", "gpt"),
@@ -216,15 +218,18 @@ def forward_backward(run: Run, batches: list[dict], forward_only: bool = False) 
     if not forward_only:
         run.model.zero_grad_buffer()
         run.optimizer.zero_grad()
-    return run.forward_backward(
-        forward_step_func=run.forward_step,
-        data_iterator=iter(batches),
-        model=[run.model],
-        num_microbatches=len(batches),
-        seq_length=int(run.cfg.dataset.seq_length),
-        micro_batch_size=int(run.cfg.dataset.micro_batch_size),
-        forward_only=forward_only,
-    ) or []
+    return (
+        run.forward_backward(
+            forward_step_func=run.forward_step,
+            data_iterator=iter(batches),
+            model=[run.model],
+            num_microbatches=len(batches),
+            seq_length=int(run.cfg.dataset.seq_length),
+            micro_batch_size=int(run.cfg.dataset.micro_batch_size),
+            forward_only=forward_only,
+        )
+        or []
+    )
 
 
 def train_step(run: Run, batches: list[dict]) -> tuple[list[dict], bool, float]:
@@ -259,7 +264,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     def save(at: int) -> None:
         if ckpt_dir is not None:
-            save_checkpoint(ckpt_dir, at, run.model, run.optimizer, run.scheduler, {"data": data.state_dict()})
+            save_checkpoint(
+                ckpt_dir, at, run.model, run.optimizer, run.scheduler, {"data": data.state_dict()}
+            )
             log.info("saved checkpoint of iteration %d to %s", at, ckpt_dir)
 
     train_iters = int(trainer.train_iters)
@@ -287,7 +294,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 f"; the first non-finite loss is in micro-batch {where} of {len(batches)}" if where else ""
             )
             if trainer.on_nonfinite == "error":
-                raise FloatingPointError(message + " (trainer.on_nonfinite=skip drops such updates and goes on)")
+                raise FloatingPointError(
+                    message + " (trainer.on_nonfinite=skip drops such updates and goes on)"
+                )
             skipped += 1
             log.warning("%s: update skipped (%d so far)", message, skipped)
         log_now = iteration % int(trainer.log_interval) == 0 or iteration == train_iters
@@ -383,7 +392,9 @@ def _evaluate(run: Run, iters: int) -> float | None:
 
     data = build_train_data(run.cfg.dataset, dataset=run.held_out, shuffle=False, **run.data_kwargs)
     run.model.eval()
-    reports = [report for _ in range(iters) for report in forward_backward(run, data.next_step(), forward_only=True)]
+    reports = [
+        report for _ in range(iters) for report in forward_backward(run, data.next_step(), forward_only=True)
+    ]
     run.model.train()
     return float(reduce_loss_report(reports)) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
@@ -391,7 +402,10 @@ def _evaluate(run: Run, iters: int) -> float | None:
 def _setup_logging() -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(
-            level=logging.INFO, format="[%(asctime)s thdpack] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout
+            level=logging.INFO,
+            format="[%(asctime)s thdpack] %(message)s",
+            datefmt="%H:%M:%S",
+            stream=sys.stdout,
         )
     log.setLevel(logging.INFO)
     for noisy in ("megatron", "torch.distributed"):

@@ -19,7 +19,9 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
+    ),
 ]
 
 # Megatron's optimizer step: the gradient norm read back for clipping (megatron.core.optimizer.clip_grads).

@@ -136,7 +136,8 @@ class TrainData:
             mbs, dp = self.micro_batch_size, self.dp_size
             count = self.global_batch_size // (mbs * dp)
             plan = [
-                [list(range((m * dp + r) * mbs, (m * dp + r + 1) * mbs)) for m in range(count)] for r in range(dp)
+                [list(range((m * dp + r) * mbs, (m * dp + r + 1) * mbs)) for m in range(count)]
+                for r in range(dp)
             ]
         else:
             plan = plan_microbatches(lengths, self.dp_size, self.micro_batch_tokens, self.cost_weights)
@@ -234,7 +235,9 @@ def build_dataset(
         from .synthetic import SyntheticDataset
 
         if not synthetic:
-            raise ValueError("dataset.name=synthetic needs dataset.synthetic (num_samples, median or mean, sigma, ...)")
+            raise ValueError(
+                "dataset.name=synthetic needs dataset.synthetic (num_samples, median or mean, sigma, ...)"
+            )
         return SyntheticDataset(**synthetic, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
     if name not in DATASETS:
         raise ValueError(f"dataset.name is '{name}': it must be one of {list(DATASETS)}")
@@ -283,7 +286,11 @@ def build_train_data(
     micro_batch_tokens = get("micro_batch_tokens", None)
     if dataset is None:
         dataset = build_dataset(
-            get("name"), get("path", None), tokenizer, max_files=get("max_files", None), synthetic=get("synthetic", None)
+            get("name"),
+            get("path", None),
+            tokenizer,
+            max_files=get("max_files", None),
+            synthetic=get("synthetic", None),
         )
     data = TrainData(
         dataset,

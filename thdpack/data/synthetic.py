@@ -43,7 +43,9 @@ class SyntheticDataset:
         if (median is None) == (mean is None):
             raise ValueError("dataset.synthetic needs exactly one of 'median' and 'mean' (the lognormal's)")
         if not 1 <= min_length <= max_length:
-            raise ValueError(f"dataset.synthetic: need 1 <= min_length ({min_length}) <= max_length ({max_length})")
+            raise ValueError(
+                f"dataset.synthetic: need 1 <= min_length ({min_length}) <= max_length ({max_length})"
+            )
         if num_samples < 1 or sigma < 0:
             raise ValueError(f"dataset.synthetic: num_samples ({num_samples}) >= 1 and sigma ({sigma}) >= 0")
         mu = math.log(median) if median is not None else math.log(mean) - sigma**2 / 2
@@ -58,7 +60,9 @@ class SyntheticDataset:
     def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        tokens = np.random.default_rng([self.seed, 1, index]).integers(0, self.vocab_size, self.lengths[index])
+        tokens = np.random.default_rng([self.seed, 1, index]).integers(
+            0, self.vocab_size, self.lengths[index]
+        )
         if self.bos_id is not None:
             tokens[0] = self.bos_id
         return Sample(tokens.astype(np.int64), None, f"synthetic#{index}")

@@ -45,7 +45,9 @@ def latest_iteration(directory: str | os.PathLike | None) -> int | None:
         raise ValueError(f"{tracker} holds {text!r}: expected the iteration number of the latest checkpoint")
     iteration = int(text)
     if not checkpoint_path(directory, iteration).is_dir():
-        raise ValueError(f"{tracker} names iteration {iteration} but {checkpoint_path(directory, iteration)} is missing")
+        raise ValueError(
+            f"{tracker} names iteration {iteration} but {checkpoint_path(directory, iteration)} is missing"
+        )
     return iteration
 
 
@@ -85,7 +87,9 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(directory: str | os.PathLike, iteration: int, model, optimizer, scheduler) -> dict[str, Any]:
+def load_checkpoint(
+    directory: str | os.PathLike, iteration: int, model, optimizer, scheduler
+) -> dict[str, Any]:
     """Load the checkpoint of ``iteration`` into ``model``, ``optimizer`` and ``scheduler``, restore this
     rank's RNG states, and return the ``extra`` state saved with it (plus ``iteration``)."""
     from megatron.core import dist_checkpointing
@@ -138,12 +142,12 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
     # The bare GPTModel's keys (no DDP / Float16Module prefixes), as Megatron-LM saves them.
     model_state = unwrap_model(model).sharded_state_dict()
     # Each rank's RNG streams are its own (tensor-parallel dropout, expert initialisation): one shard a rank.
-    rng = ShardedObject(
-        "rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
-    )
+    rng = ShardedObject("rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT),
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
+        ),
         "rng": rng,
     }
 

@@ -113,11 +113,15 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     kwargs = dict(model.get("config") or {})
     activation = kwargs.pop("activation_func", "gelu")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"model.config.activation_func is '{activation}': it must be one of {list(ACTIVATIONS)}")
+        raise ValueError(
+            f"model.config.activation_func is '{activation}': it must be one of {list(ACTIVATIONS)}"
+        )
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
-        raise ValueError(f"model.config has keys that megatron.core TransformerConfig does not know: {unknown}")
+        raise ValueError(
+            f"model.config has keys that megatron.core TransformerConfig does not know: {unknown}"
+        )
     tp, pp = int(parallel["tensor_model_parallel_size"]), int(parallel["pipeline_model_parallel_size"])
     sequence_parallel = bool(parallel.get("sequence_parallel", False)) and tp > 1
     if pp > 1 and not kwargs.get("num_moe_experts"):
@@ -257,7 +261,9 @@ def finalize_grads_per_token(model, num_tokens=None, **kwargs) -> None:
         return
     if ps.get_pipeline_model_parallel_world_size() > 1:  # the count is known on the last stage only
         dist.broadcast(
-            num_tokens, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            num_tokens,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
         )
     dist.all_reduce(num_tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
     scale = 1.0 / num_tokens.clamp(min=1).to(torch.float32)
