@@ -137,10 +137,11 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="hardware tag in file names (default: from the GPU name)")
     parser.add_argument("--work", type=Path, default=Path("outputs/e2e"), help="run directories")
     parser.add_argument("--combine", type=Path, nargs="+", help="merge these e2e JSON files into one report")
+    parser.add_argument("--notes", type=Path, help="with --combine: a markdown file of findings for the report")
     parser.add_argument("extra", nargs="*", help="recipe overrides for every run")
     args = parser.parse_args()
     if args.combine:
-        combine(args.combine, args.out)
+        combine(args.combine, args.out, args.notes)
         return
 
     from hydra import compose, initialize_config_dir
@@ -218,7 +219,7 @@ def add_ideal(by_mode: dict, flops, args) -> None:
         m["fraction_of_ideal"] = measured / ideal if ideal else None
 
 
-def combine(paths: list[Path], out: Path) -> None:
+def combine(paths: list[Path], out: Path, notes: Path | None = None) -> None:
     """One report from several runs of this script (e.g. one length mix per device call)."""
     payloads = [json.loads(p.read_text()) for p in paths]
     payload = payloads[0]
@@ -227,6 +228,8 @@ def combine(paths: list[Path], out: Path) -> None:
             raise ValueError(f"cannot combine runs of different setups or devices: {paths}")
         payload["results"].update(other["results"])
     payload["headline"] = _headline(payload["results"])
+    if notes is not None:
+        payload["notes"] = notes.read_text()
     _write(payload, out, payload["tag"])
 
 
@@ -321,6 +324,8 @@ def _write(payload: dict, out: Path, tag: str) -> None:
                 f"{_fmt(m.get('fraction_of_ideal'), '{:.2f}')} | {_fmt(busy, '{:.0%}')} | {p.get('syncs', '-')} | "
                 f"{m['packer_share_of_step']:.2%} |"
             )
+    if payload.get("notes"):
+        lines += ["", payload["notes"].rstrip()]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, stem.with_suffix(".png"), f"{setup['model']} on {gpu}")
     print("\n".join(lines))
