@@ -64,6 +64,10 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     final = checkpoint_path(directory, iteration)
+    if latest_iteration(directory) == iteration:
+        # Loaded and not trained since (a finished run started again): the checkpoint is complete already, and
+        # clearing it to write it again would leave the tracker naming a missing directory if killed meanwhile.
+        return final
     partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank()
     if rank == 0:
