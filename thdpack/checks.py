@@ -42,8 +42,9 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
 
     if world_size % (tp * pp * cp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel = {tp} x {pp} x "
-            f"{cp}: change parallel.* or the number of processes (data parallelism is what is left)"
+            f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}: change them or the number "
+            "of processes (data parallelism is what is left)"
         )
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_query_groups") or heads)
@@ -61,7 +62,8 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
         )
     if experts and world_size % (pp * ep * tp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by pipeline x expert x tensor parallel = {pp} x {ep} x {tp}"
+            f"world size {world_size} is not divisible by parallel.pipeline_model_parallel_size x "
+            f"expert_model_parallel_size x tensor_model_parallel_size = {pp} x {ep} x {tp}"
         )
     if cp > 1 and not packed:
         raise ConfigError(
@@ -106,12 +108,15 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
                     "to at least micro_batch_tokens (or micro_batch_size x seq_length), plus CP alignment pad"
                 )
         if budget is not None and budget < alignment.sample_multiple:
-            raise ConfigError(f"dataset.micro_batch_tokens={budget} is below the CP alignment ({alignment.sample_multiple})")
+            raise ConfigError(
+                f"dataset.micro_batch_tokens={budget} is below the alignment of one sample under "
+                f"parallel.context_parallel_size={cp} ({alignment.sample_multiple} tokens)"
+            )
         if ep > 1 and config.get("moe_token_dispatcher_type", "allgather") == "allgather" and bucket is None:
             raise ConfigError(
-                "moe_token_dispatcher_type=allgather all-gathers equal-sized token tensors over the expert-parallel "
-                "group, but packed rows differ in length from rank to rank: set dataset.pad_total_to (a fixed "
-                "token bucket) or model.config.moe_token_dispatcher_type=alltoall"
+                "model.config.moe_token_dispatcher_type=allgather all-gathers equal-sized token tensors over the "
+                "expert-parallel group, but packed rows differ in length from rank to rank: set "
+                "dataset.pad_total_to (a fixed token bucket) or model.config.moe_token_dispatcher_type=alltoall"
             )
 
     if backend == "te":
