@@ -55,7 +55,9 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
         )
     experts = config.get("num_moe_experts")
     if ep > 1 and not experts:
-        raise ConfigError(f"parallel.expert_model_parallel_size={ep} needs a model with experts (model=tiny_moe)")
+        raise ConfigError(
+            f"parallel.expert_model_parallel_size={ep} needs a model with experts (model=tiny_moe)"
+        )
     if experts and int(experts) % ep:
         raise ConfigError(
             f"parallel.expert_model_parallel_size={ep} must divide model.config.num_moe_experts ({experts})"
@@ -84,12 +86,12 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
         warnings.append("parallel.sequence_parallel=true with tensor_model_parallel_size=1: ignored")
         sequence_parallel = False
     seq_length = int(dataset["seq_length"])
-    if not packed and sequence_parallel:
-        if dataset.get("pad_to", "seq_length") != "seq_length" or seq_length % tp:
-            raise ConfigError(
-                f"the padded baseline with sequence parallelism splits every row over {tp} TP ranks: set "
-                f"dataset.pad_to=seq_length and a dataset.seq_length divisible by {tp} (is {seq_length})"
-            )
+    full_rows = dataset.get("pad_to", "seq_length") == "seq_length" and seq_length % tp == 0
+    if not packed and sequence_parallel and not full_rows:
+        raise ConfigError(
+            f"the padded baseline with sequence parallelism splits every row over {tp} TP ranks: set "
+            f"dataset.pad_to=seq_length and a dataset.seq_length divisible by {tp} (is {seq_length})"
+        )
     budget = micro_batch_tokens(dataset)
     if packed:
         alignment = Alignment(cp_size=cp, tp_size=tp, sequence_parallel=sequence_parallel)
@@ -121,7 +123,9 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
 
     if backend == "te":
         if device != "cuda":
-            raise ConfigError("model.attention_backend=te needs a CUDA GPU: use attention_backend=torch (or auto) on CPU")
+            raise ConfigError(
+                "model.attention_backend=te needs a CUDA GPU: use attention_backend=torch (or auto) on CPU"
+            )
         if importlib.util.find_spec("transformer_engine") is None:
             raise ConfigError(
                 "model.attention_backend=te needs Transformer Engine: pip install 'thdpack[gpu]', or set "
@@ -141,5 +145,7 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
             "trainer.lr_decay_iters, or train_iters when null)"
         )
     if trainer.get("on_nonfinite", "error") not in ("error", "skip"):
-        raise ConfigError(f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip")
+        raise ConfigError(
+            f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip"
+        )
     return warnings
