@@ -5,8 +5,7 @@ EP2 and MRoPE CP2, each ``trainer.train_iters=6`` on a small corpus. Packed micr
 padded ones (``dataset.micro_batch_tokens=null``), so the two compute the same function of the same real tokens:
 their losses and gradient norms must agree per step. Measured on CPU with torch 2.13: equal to the last bit in
 most steps, and never more than 2 float32 ulps apart (relative 1.7e-7), because sums run in another order on
-another token layout; weights after 6 steps differ by at most 1e-7. The tolerance below is 6x that; a packing
-bug (a sample attending to its neighbour, pad counted) moves the loss by 1e-3 or more.
+another token layout; weights after 6 steps differ by about 1e-7. The tolerance below is 6x that.
 """
 
 import json
