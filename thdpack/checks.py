@@ -42,8 +42,9 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
 
     if world_size % (tp * pp * cp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel = {tp} x {pp} x "
-            f"{cp}: change parallel.* or the number of processes (data parallelism is what is left)"
+            f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}: change them or the number "
+            "of processes (data parallelism is what is left)"
         )
     heads = int(config["num_attention_heads"])
     groups = int(config.get("num_query_groups") or heads)
@@ -63,7 +64,8 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
         )
     if experts and world_size % (pp * ep * tp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by pipeline x expert x tensor parallel = {pp} x {ep} x {tp}"
+            f"world size {world_size} is not divisible by parallel.pipeline_model_parallel_size x "
+            f"expert_model_parallel_size x tensor_model_parallel_size = {pp} x {ep} x {tp}"
         )
     if cp > 1 and not packed:
         raise ConfigError(
@@ -84,11 +86,8 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
         warnings.append("parallel.sequence_parallel=true with tensor_model_parallel_size=1: ignored")
         sequence_parallel = False
     seq_length = int(dataset["seq_length"])
-    if (
-        not packed
-        and sequence_parallel
-        and (dataset.get("pad_to", "seq_length") != "seq_length" or seq_length % tp)
-    ):
+    full_rows = dataset.get("pad_to", "seq_length") == "seq_length" and seq_length % tp == 0
+    if not packed and sequence_parallel and not full_rows:
         raise ConfigError(
             f"the padded baseline with sequence parallelism splits every row over {tp} TP ranks: set "
             f"dataset.pad_to=seq_length and a dataset.seq_length divisible by {tp} (is {seq_length})"
@@ -112,13 +111,14 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
                 )
         if budget is not None and budget < alignment.sample_multiple:
             raise ConfigError(
-                f"dataset.micro_batch_tokens={budget} is below the CP alignment ({alignment.sample_multiple})"
+                f"dataset.micro_batch_tokens={budget} is below the alignment of one sample under "
+                f"parallel.context_parallel_size={cp} ({alignment.sample_multiple} tokens)"
             )
         if ep > 1 and config.get("moe_token_dispatcher_type", "allgather") == "allgather" and bucket is None:
             raise ConfigError(
-                "moe_token_dispatcher_type=allgather all-gathers equal-sized token tensors over the expert-parallel "
-                "group, but packed rows differ in length from rank to rank: set dataset.pad_total_to (a fixed "
-                "token bucket) or model.config.moe_token_dispatcher_type=alltoall"
+                "model.config.moe_token_dispatcher_type=allgather all-gathers equal-sized token tensors over the "
+                "expert-parallel group, but packed rows differ in length from rank to rank: set "
+                "dataset.pad_total_to (a fixed token bucket) or model.config.moe_token_dispatcher_type=alltoall"
             )
 
     if backend == "te":

@@ -38,11 +38,13 @@ class MetricsWriter:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A run killed after its last checkpoint logged steps that the resumed run logs again: one record a step.
+        _drop_records_after(self.run_dir / "metrics.jsonl", start_iter)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_iter + 1)
         except ImportError:  # tensorboard is a dependency; a broken install only loses the events
             log.warning("tensorboard is not importable: no TensorBoard events are written")
         if progress_bar == "auto":
@@ -82,6 +84,21 @@ class MetricsWriter:
         steps = [r for r in self.records if "loss" in r]
         if steps:
             plot_curves({"run": steps}, self.run_dir / "curves.png")
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step`` (none for a run that starts at 0); a line cut short by a kill
+    goes too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    path.write_text("".join(kept))
 
 
 def _format(record: dict[str, Any]) -> str:

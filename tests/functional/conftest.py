@@ -108,3 +108,20 @@ def _tail(output: str, lines: int) -> str:
 def run_torchrun_fixture():
     """The `run_torchrun` helper, as a fixture."""
     return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """`trained(*overrides, nproc=1) -> Run`: `python -m thdpack.train` (tests/functional/training.py), run once
+    per session and configuration, so that tests of one configuration (and other modules) share the run."""
+    from .training import run_train
+
+    runs = {}
+
+    def get(*overrides: str, nproc: int = 1):
+        key = (overrides, nproc)
+        if key not in runs:
+            runs[key] = run_train(overrides, tmp_path_factory.mktemp("train") / "run", nproc=nproc)
+        return runs[key]
+
+    return get

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,10 @@ from .models import unwrap_model
 __all__ = ["TRACKER", "checkpoint_path", "latest_iteration", "load_checkpoint", "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# For tests only: THDPACK_TEST_KILL_BEFORE_RENAME=<iteration> SIGKILLs every rank in the save of that iteration once
+# all its files are written, before the rename (tests/functional/test_resume.py: a kill -9 mid-save, made
+# deterministic).
+KILL_BEFORE_RENAME = "THDPACK_TEST_KILL_BEFORE_RENAME"
 # The distributed optimizer's state in a format that runs on CPU (gloo) as on GPU and reloads exactly.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -61,6 +66,10 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     final = checkpoint_path(directory, iteration)
+    if latest_iteration(directory) == iteration:
+        # Loaded and not trained since (a finished run started again): the checkpoint is complete already, and
+        # clearing it to write it again would leave the tracker naming a missing directory if killed meanwhile.
+        return final
     partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank()
     if rank == 0:
@@ -73,6 +82,8 @@ def save_checkpoint(
     state["thdpack"] = {"iteration": iteration, **extra}
     dist_checkpointing.save(state, str(partial))
     dist.barrier()
+    if os.environ.get(KILL_BEFORE_RENAME) == str(iteration):
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         os.replace(partial, final)
         tracker = Path(directory) / TRACKER

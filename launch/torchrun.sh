@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One node, any number of GPUs (or CPU processes over gloo):
+#
+#   bash launch/torchrun.sh [NPROC] [recipe overrides...]
+#   bash launch/torchrun.sh 8 model=llama3_1b parallel=tp2 trainer.train_iters=1000 checkpoint.dir=ckpt/llama
+#
+# NPROC defaults to the number of visible GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi), or 1 without a GPU.
+# Every rank writes to one run directory: outputs/$THDPACK_RUN_STAMP (a time stamp unless set), or the
+# hydra.run.dir=... given among the overrides; torchrun's per-rank logs go to its logs/ folder.
+# Environment: PYTHON (python), OMP_NUM_THREADS (cores / NPROC), THDPACK_RUN_STAMP. Exits with torchrun's code.
+set -euo pipefail
+
+visible_gpus() {
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then  # set and empty = no GPU
+        [[ -z $CUDA_VISIBLE_DEVICES ]] && echo 0 || awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES"
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+    else
+        echo 0
+    fi
+}
+
+if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
+    NPROC=$1
+    shift
+else
+    NPROC=$(visible_gpus)
+    ((NPROC > 0)) || NPROC=1
+fi
+
+PYTHON=${PYTHON:-python}
+export THDPACK_RUN_STAMP=${THDPACK_RUN_STAMP:-$(date +%Y-%m-%d_%H-%M-%S)}
+RUN_DIR=outputs/$THDPACK_RUN_STAMP  # the recipe's hydra.run.dir, unless an override names another
+for arg in "$@"; do
+    [[ $arg == hydra.run.dir=* ]] && RUN_DIR=${arg#hydra.run.dir=}
+done
+# torch's own default is 1 thread per process; a CPU run is faster with the cores shared out
+threads=$(($(nproc) / NPROC))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+
+echo "thdpack: $NPROC process(es) on $(hostname), run directory $RUN_DIR, rank logs in $RUN_DIR/logs" >&2
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    --log-dir "$RUN_DIR/logs" --tee 3 \
+    -m thdpack.train "$@"

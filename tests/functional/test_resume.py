@@ -1,0 +1,146 @@
+"""L1: a run that stops (``trainer.exit_interval``) or is killed (``kill -9`` mid-run, mid-save) resumes from its
+latest complete checkpoint, and the resumed steps equal the uninterrupted run's to the last bit (fp32 on CPU):
+loss, gradient norm and learning rate. Running the same command again is all it takes.
+
+The uninterrupted runs are test_train.py's family runs (shared through the session's ``trained`` fixture).
+A kill mid-save is made deterministic by checkpoint.py's THDPACK_TEST_KILL_BEFORE_RENAME hook: every rank
+SIGKILLs itself after writing ``iter_XXXXXXX.partial/``, before renaming it.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from thdpack.megatron.checkpoint import KILL_BEFORE_RENAME, latest_iteration
+
+from .training import Run, family, finish, kill_group, run_train, start_train, wait_for_step
+
+pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
+
+
+def logged(run: Run, steps) -> list[tuple]:
+    """What must match an uninterrupted run exactly: (step, loss, grad_norm, lr) of ``steps``."""
+    by_step = {r["step"]: r for r in run.records}
+    return [(s, by_step[s]["loss"], by_step[s]["grad_norm"], by_step[s]["lr"]) for s in steps]
+
+
+@dataclass
+class Interrupted:
+    first: Run  # the run that stopped or was killed
+    latest_after_first: int | None  # what the checkpoint tracker named then
+    left_after_first: list[str]  # and what the checkpoint directory held
+    resumed: Run  # the same command, run again
+    ckpt: Path
+    reference: Run  # the uninterrupted run
+
+
+def interrupted(trained, tmp_path_factory, name, extra, stop=None, env=None) -> Interrupted:
+    """Run family ``name`` with a checkpoint directory and ``extra`` overrides; ``stop(started)`` (if given)
+    ends it early; record the tracker; run the same command again."""
+    overrides, nproc = family(name)
+    root = tmp_path_factory.mktemp(name)
+    ckpt = root / "ckpt"
+    command = [*overrides, f"checkpoint.dir={ckpt}", *extra]
+    started = start_train(command, root / "run", nproc, env=env)
+    if stop is not None:
+        stop(started)
+    first = finish(started)
+    latest, left = latest_iteration(ckpt), sorted(p.name for p in ckpt.iterdir())
+    resumed = run_train(command, root / "run", nproc)
+    return Interrupted(first, latest, left, resumed, ckpt, trained(*overrides, nproc=nproc).check())
+
+
+# --- trainer.exit_interval: stop after step 3 with a checkpoint, then run the same command -----------------------
+
+
+@pytest.fixture(scope="module", params=["dense", "dense_tp2"])
+def exited(request, trained, tmp_path_factory):
+    return interrupted(trained, tmp_path_factory, request.param, ["trainer.exit_interval=3"])
+
+
+def test_exit_interval_stops_after_its_step_with_a_checkpoint(exited):
+    assert exited.first.check().steps == [1, 2, 3]
+    assert exited.latest_after_first == 3
+
+
+def test_resume_after_exit_interval_matches_the_uninterrupted_run_exactly(exited):
+    assert f"resumed from {exited.ckpt} at iteration 3" in exited.resumed.check().output
+    assert logged(exited.resumed, [4, 5, 6]) == logged(exited.reference, [4, 5, 6])
+    assert logged(exited.first, [1, 2, 3]) == logged(exited.reference, [1, 2, 3])
+
+
+# --- kill -9 mid-run: killed once step 4 is logged; the checkpoint of step 3 is the latest -----------------------
+
+
+def kill_after_step_4(started):
+    wait_for_step(started, 4)
+    kill_group(started)
+
+
+@pytest.fixture(scope="module")
+def killed_mid_run(trained, tmp_path_factory):
+    return interrupted(
+        trained, tmp_path_factory, "dense", ["checkpoint.save_interval=3"], stop=kill_after_step_4
+    )
+
+
+def test_kill_mid_run_leaves_the_last_saved_checkpoint_latest(killed_mid_run):
+    assert killed_mid_run.first.returncode == -9
+    assert 4 in killed_mid_run.first.steps
+    # steps 5 and 6 (about 0.3 s) stand between the kill and the next save, at step 6
+    assert killed_mid_run.latest_after_first == 3
+
+
+def test_resume_after_kill_mid_run_matches_the_uninterrupted_run_exactly(killed_mid_run):
+    resumed = killed_mid_run.resumed.check()
+    assert f"resumed from {killed_mid_run.ckpt} at iteration 3" in resumed.output
+    assert logged(resumed, [4, 5, 6]) == logged(killed_mid_run.reference, [4, 5, 6])
+
+
+def test_resume_keeps_one_metrics_record_per_step(killed_mid_run):
+    # the killed run logged step 4 and the resumed run logged it again
+    assert killed_mid_run.resumed.check().steps == [1, 2, 3, 4, 5, 6]
+
+
+# --- kill -9 mid-save: killed between writing the checkpoint of step 4 and renaming it ---------------------------
+
+
+@pytest.fixture(scope="module")
+def killed_mid_save(trained, tmp_path_factory):
+    return interrupted(
+        trained, tmp_path_factory, "dense", ["checkpoint.save_interval=2"], env={KILL_BEFORE_RENAME: "4"}
+    )
+
+
+def test_kill_mid_save_leaves_the_previous_checkpoint_latest(killed_mid_save):
+    assert killed_mid_save.first.returncode == -9
+    assert killed_mid_save.first.steps == [1, 2, 3, 4]
+    assert killed_mid_save.latest_after_first == 2
+    assert killed_mid_save.left_after_first == [
+        "iter_0000002",
+        "iter_0000004.partial",  # every file written, never renamed: not a checkpoint
+        "latest_checkpointed_iteration.txt",
+    ]
+
+
+def test_the_resumed_run_replaces_the_half_written_checkpoint(killed_mid_save):
+    killed_mid_save.resumed.check()
+    left = sorted(p.name for p in killed_mid_save.ckpt.iterdir())
+    assert left == ["iter_0000002", "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt"]
+
+
+def test_resume_after_kill_mid_save_matches_the_uninterrupted_run_exactly(killed_mid_save):
+    resumed = killed_mid_save.resumed.check()
+    assert f"resumed from {killed_mid_save.ckpt} at iteration 2" in resumed.output
+    assert logged(resumed, [3, 4, 5, 6]) == logged(killed_mid_save.reference, [3, 4, 5, 6])
+    assert latest_iteration(killed_mid_save.ckpt) == 6
+
+
+def test_starting_a_finished_run_again_keeps_its_checkpoint(killed_mid_save, tmp_path):
+    # Nothing to train: the checkpoint of step 6 must stay as it is (it was once deleted to be written again, and a
+    # kill in that save left the tracker naming a missing directory). The hook would kill a save of step 6.
+    command = [*family("dense")[0], f"checkpoint.dir={killed_mid_save.ckpt}", "checkpoint.save_interval=2"]
+    again = run_train(command, tmp_path / "run", env={KILL_BEFORE_RENAME: "6"}).check()
+    assert f"resumed from {killed_mid_save.ckpt} at iteration 6" in again.output
+    assert latest_iteration(killed_mid_save.ckpt) == 6
