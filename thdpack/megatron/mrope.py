@@ -47,6 +47,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .unwrap import unwrap_model
+
 __all__ = [
     "PackedMultimodalRotaryEmbedding",
     "apply_rotary_per_token",
@@ -297,8 +299,6 @@ def enable_packed_mrope(model: nn.Module | Sequence[nn.Module]) -> int:
     Raises ``ValueError`` for a model that is not ``position_embedding_type="mrope"``.
     """
     from megatron.core.transformer.attention import Attention
-
-    from .models import unwrap_model
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     hooked = 0
