@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from .context_parallel import cp_partition_indices
-from .fused import fused_pack, fused_pack_available
 from .layout import Alignment, PackLayout, cumsum0, layout_of
 from .positions import pack_mrope_position_ids
 from .segments import INTEGER_DTYPES, MASK_DTYPES, Segments, check_tensor, segments_of
@@ -486,37 +485,20 @@ def assemble(
     table = _segment_table(
         segments, layout, S, derive_labels=labels is None, labels_cross_samples=labels_cross_samples
     )
-    if fused_pack_available(tokens, labels, loss_mask):
-        # One kernel writes every output (see thdpack.fused); the table and the boundaries go in one copy,
-        # and the kernel reads the table from the start of that buffer (no device-side views of it).
-        buffer, _, cu_padded, cu = _upload_with_boundaries([table.rows], layout, tokens.device)
-        *outputs, gather = fused_pack(
-            tokens,
-            labels,
-            loss_mask,
-            buffer,
-            table.rows.shape[1],
-            table.total_tokens,
-            pad_token_id=pad_token_id,
-            ignore_index=ignore_index,
-        )
-        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
-        fill = padding_mask  # gather and fill are [1, T] here; _take and the MRoPE gather flatten them
+    if tokens.is_cpu:
+        plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
     else:
-        if tokens.is_cpu:
-            plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
-        else:
-            plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
-        try:
-            outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
-        except _BadValue as bad:
-            key = tokens_key if bad.key == "tokens" else bad.key
-            row, col = _source_of(segments, layout, bad.position)
-            raise ValueError(
-                f"row {row} of '{key}' has {bad.value} at column {col}, a real token: {bad.rule}"
-            ) from None
-        packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
-        gather, fill = plan.gather, plan.pad_index
+        plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
+    try:
+        outputs = _gather_outputs(plan, tokens, labels, loss_mask, pad_token_id, ignore_index)
+    except _BadValue as bad:
+        key = tokens_key if bad.key == "tokens" else bad.key
+        row, col = _source_of(segments, layout, bad.position)
+        raise ValueError(
+            f"row {row} of '{key}' has {bad.value} at column {col}, a real token: {bad.rule}"
+        ) from None
+    packed_tokens, packed_labels, packed_loss_mask, position_ids, padding_mask = outputs
+    gather, fill = plan.gather, plan.pad_index
     return PackedBatch(
         tokens=packed_tokens,
         labels=packed_labels,
@@ -598,14 +580,17 @@ class _TokenPlan(NamedTuple):
 
 
 class _SegmentTable(NamedTuple):
-    """The packed row per segment, host numpy int64: ``padded_length`` ``[M]``, the four ``rows`` ``[4, M]``
-    the fused kernel reads (``seg_start``: packed position of the segment's first token, ``shift``: flat
-    ``B * S`` source minus packed position, ``real_end``: end of its real tokens, ``end_flag``: 1 where its last
-    real token has no target); and the short position lists ``no_target`` and ``pad_index`` of
-    :class:`_TokenPlan`."""
+    """The packed row per segment, host numpy int64 ``[M]``, and two short position lists.
+
+    ``padded_length``: physical length of each segment. ``seg_start``: packed position of its first token.
+    ``shift``: flat ``B * S`` source position minus packed position (0 for the trailing pad segment).
+    ``no_target``: positions whose label must be ``ignore_index`` (pad, and sample ends the labels would cross
+    or, when derived, every sample's last token). ``pad_index``: the pad positions.
+    """
 
     padded_length: np.ndarray
-    rows: np.ndarray  # seg_start, shift, real_end, end_flag
+    seg_start: np.ndarray
+    shift: np.ndarray
     no_target: np.ndarray
     pad_index: np.ndarray
     total_tokens: int
@@ -619,52 +604,39 @@ def _segment_table(
     derive_labels: bool,
     labels_cross_samples: bool = True,
 ) -> _SegmentTable:
-    """Everything :class:`_TokenPlan` needs, per segment, computed on the host (``[M]`` and short lists).
-
-    The ``[T]`` arrays are then expanded where the batch lives: with numpy on the host (its repeat and take
-    are several times faster than torch's CPU kernels at these sizes, and per-call overhead is lower), with
-    torch on a GPU after one small copy, so no ``[T]`` array crosses to the device. Pad is written by
-    position (a few per sample under CP, one run for the trailing segment), never by comparing all ``T``
-    positions.
-    """
+    """Everything :class:`_TokenPlan` needs, per segment, computed on the host (``[M]`` and short lists)."""
     n, T = layout.num_samples, layout.total_tokens
     padded_length, cu_padded, _ = layout.arrays
-    # The rows are written in place, so that the fused path uploads them as they are.
-    rows = np.zeros((4, padded_length.size), dtype=np.int64)
-    seg_start, shift, real_end, end_flag = rows[0], rows[1], rows[2], rows[3]
-    seg_start[:] = cu_padded[:-1]
+    seg_start = cu_padded[:-1].astype(np.int64)
     row, first, length = segments.arrays
+    shift = np.zeros(seg_start.size, dtype=np.int64)
+    shift[:n] = row * seq_len + first - seg_start[:n]
+    real_end = seg_start.copy()  # the trailing pad segment, if any, has no real token
+    real_end[:n] += length
     num_pad = T - layout.num_real_tokens
     if num_pad:
-        real_end[:] = seg_start
-        real_end[:n] += length
-        shift[:n] = row * seq_len + first - seg_start[:n]
         pad_count = seg_start + padded_length - real_end
         pad_index = np.repeat(real_end - cumsum0(pad_count)[:-1], pad_count) + np.arange(num_pad)
-    else:  # every segment is a sample and all of it real
-        np.add(seg_start, length, out=real_end)
-        np.subtract(row * seq_len + first, seg_start, out=shift)
+    else:
         pad_index = np.zeros(0, dtype=np.int64)
-    # Derived labels: every sample's last token has no target. Given labels shifted over whole rows: a sample
-    # followed by another in its row has that sample's first token as its last token's label.
+    # Labels at sample boundaries (docs/design.md, "labels at boundaries"). Derived labels: every sample's last
+    # token has no target. Given labels shifted over whole rows: a sample followed by another in its row has
+    # that sample's first token as its last token's label.
     last = real_end[:n] - 1
     if derive_labels:
-        end_flag[:n] = 1
         sample_ends = last
     elif labels_cross_samples:
-        crossing = row[1:] == row[:-1]
-        end_flag[: n - 1] = crossing
-        sample_ends = last[:-1][crossing]
+        sample_ends = last[:-1][row[1:] == row[:-1]]
     else:
         sample_ends = last[:0]
     no_target = np.concatenate([sample_ends, pad_index]) if num_pad else sample_ends
-    return _SegmentTable(padded_length, rows, no_target, pad_index, T, derive_labels)
+    return _SegmentTable(padded_length, seg_start, shift, no_target, pad_index, T, derive_labels)
 
 
 def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
-    padded_length, rows, no_target, pad_index, T, derive_labels = table
-    seg_start, shift = rows[0], rows[1]
-    index = _arange(T)
+    """The plan as numpy arrays (a host batch)."""
+    padded_length, seg_start, shift, no_target, pad_index, T, derive_labels = table
+    index = np.arange(T)
     gather = shift.repeat(padded_length)
     gather += index
     pad = np.zeros(T, dtype=np.bool_)
@@ -679,19 +651,6 @@ def _expand_on_host(table: _SegmentTable) -> _TokenPlan:
     return _TokenPlan(gather, label_index, no_target, pad_index, pad, index - seg_start.repeat(padded_length))
 
 
-_ARANGE = np.zeros(0, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` as a read-only view of a cached array (grown as needed): filling a fresh one costs a few
-    us per call at training sizes (measured 3.7 us for 12K positions on this project's 2-core CPU)."""
-    global _ARANGE
-    if _ARANGE.size < n:
-        _ARANGE = np.arange(max(n, 2 * _ARANGE.size))
-        _ARANGE.flags.writeable = False
-    return _ARANGE[:n]
-
-
 def _gather_outputs(
     plan: _TokenPlan,
     tokens: torch.Tensor,
@@ -702,7 +661,7 @@ def _gather_outputs(
 ) -> tuple[torch.Tensor, ...]:
     """The packed row's ``(tokens, labels, loss_mask, position_ids, padding_mask)``, each ``[1, T]``, from a
     plan of numpy arrays (host batch: numpy gathers, cheaper per call there) or of tensors on the batch's
-    device (the torch path when the fused kernel cannot run)."""
+    device."""
     source = tokens if labels is None else labels
     if isinstance(plan.gather, np.ndarray):  # host: every output stays numpy until it is done
         # Token ids are checked on the packed row (pad holds pad_token_id >= 0): one pass over [T]. A negative
@@ -744,18 +703,19 @@ def _expand_on_device(
 ) -> tuple[_TokenPlan, torch.Tensor, torch.Tensor]:
     """The plan on ``device`` and the boundaries ``(cu_seqlens_padded, cu_seqlens)`` there (one object when
     they are one on the host), all from one pinned copy."""
-    seg_end = table.rows[0] + table.padded_length
-    arrays = [seg_end, table.rows[:2], table.no_target, table.pad_index]  # rows[:2]: seg_start, shift
+    seg_end = table.seg_start + table.padded_length
+    arrays = [seg_end, table.seg_start, table.shift, table.no_target, table.pad_index]
     buffer, offsets, cu_padded, cu = _upload_with_boundaries(arrays, layout, device)
-    seg_end, by_segment, no_target, pad_index = _views(buffer, arrays, offsets)
+    seg_end, seg_start, shift, no_target, pad_index = _views(buffer, arrays, offsets)
     T = table.total_tokens
     index = torch.arange(T, device=device)
     segment = torch.searchsorted(seg_end, index, right=True)  # the segment each position lies in
-    seg_start, shift = by_segment.index_select(1, segment)
-    gather = shift.add_(index).index_fill_(0, pad_index, 0)
+    gather = shift.index_select(0, segment).add_(index).index_fill_(0, pad_index, 0)
     label_index = (gather + 1).index_fill_(0, no_target, 0) if table.derive_labels else gather
     pad = torch.zeros(T, dtype=torch.bool, device=device).index_fill_(0, pad_index, True)
-    plan = _TokenPlan(gather, label_index, no_target, pad_index, pad, index.sub_(seg_start))
+    plan = _TokenPlan(
+        gather, label_index, no_target, pad_index, pad, index - seg_start.index_select(0, segment)
+    )
     return plan, cu_padded, cu
 
 

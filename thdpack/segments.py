@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .fused import fused_row_stats, fused_row_stats_available
-
 __all__ = ["Segments", "find_segments"]
 
 
@@ -150,10 +148,9 @@ def find_segments(
     With a 4D mask, position ids are not read (the mask alone says where samples start; only their shape is
     checked): :func:`thdpack.pack_bshd` checks them against the samples.
 
-    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of a ``[7, B]`` table of per-row statistics
-    that one Triton kernel writes, see :func:`thdpack.fused.fused_row_stats`), and so do position ids on the GPU
-    next to a host mask (of the columns the restart check reads); pass host tensors, which data loaders deliver,
-    to cost none.
+    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of a ``[2B + 5]`` table of per-row
+    statistics), and so do position ids on the GPU next to a host mask (of the columns the restart check reads);
+    pass host tensors, which data loaders deliver, to cost none.
     """
     _check_arguments(attention_mask, position_ids, input_ids, pad_token_id)
     return segments_of(attention_mask, position_ids, input_ids, pad_token_id)
@@ -422,10 +419,7 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # Reduced on the GPU; one copy of a [B]-sized table comes back. One Triton kernel where it can (see
-    # thdpack.fused), about fifteen torch kernels otherwise.
-    if fused_row_stats_available(mask, position_ids):
-        return _row_stats_fused(mask, position_ids)
+    # Reduced on the GPU; one copy of a [2B + 5] table comes back.
     B = mask.shape[0]
     zero = torch.zeros((), dtype=torch.int64, device=mask.device)
     if mask.dtype == torch.bool:
@@ -447,14 +441,6 @@ def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> 
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
     return table[:B].numpy(), table[B : 2 * B].numpy(), holes, restarts, False, False, False
-
-
-def _row_stats_fused(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    table = fused_row_stats(mask, position_ids).cpu().numpy()  # [7, B]: the one copy to the host
-    restarts, negative, above_one, fractional = (bool(v) for v in table[3:].any(axis=1))
-    if negative or above_one or fractional:
-        return None, None, False, False, negative, above_one, fractional
-    return table[0], table[1], bool((table[2] > 1).any()), restarts, False, False, False
 
 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
