@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import thdpack
-from thdpack import pack
+from thdpack import assemble
 from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths, time_ms
 from thdpack.layout import plan_layout
 
@@ -78,7 +78,7 @@ def print_phases(case, device: str, calls: int) -> None:
     alignment = thdpack.Alignment(cp_size=case.cp_size)
     segments = thdpack.find_segments(mask, position_ids=position_ids)
     layout = plan_layout(segments.length, alignment)
-    table = pack._segment_table(segments, layout, case.seq_len, derive_labels=False)
+    table = assemble._segment_table(segments, layout, case.seq_len, derive_labels=False)
     with_mask = {**batch, "attention_mask": mask.to(device)}
     steps = {
         "find_segments(host mask, position ids)": lambda: thdpack.find_segments(
@@ -87,7 +87,9 @@ def print_phases(case, device: str, calls: int) -> None:
         "find_segments(host mask)": lambda: thdpack.find_segments(mask),
         "Segments.check": lambda: segments.check(tuple(mask.shape)),
         "plan_layout": lambda: plan_layout(segments.length, alignment),
-        "_segment_table": lambda: pack._segment_table(segments, layout, case.seq_len, derive_labels=False),
+        "_segment_table": lambda: assemble._segment_table(
+            segments, layout, case.seq_len, derive_labels=False
+        ),
         "pack_bshd(batch, segments=...)": lambda: thdpack.pack_bshd(
             batch, alignment=alignment, segments=segments
         ),
@@ -97,8 +99,8 @@ def print_phases(case, device: str, calls: int) -> None:
         steps["find_segments(GPU mask)"] = lambda: thdpack.find_segments(with_mask["attention_mask"])
         steps["torch.cuda.synchronize()"] = torch.cuda.synchronize
     else:
-        steps["host plan and gathers"] = lambda: pack._gather_outputs(
-            pack._expand_on_host(table), host["tokens"], host["labels"], host["loss_mask"], 0, -100
+        steps["host plan and gathers"] = lambda: assemble._gather_outputs(
+            assemble._expand_on_host(table), host["tokens"], host["labels"], host["loss_mask"], 0, -100
         )
     print(f"\n== {case.name} on {device}: T = {layout.total_tokens}, {len(segments)} samples")
     for name, fn in steps.items():
