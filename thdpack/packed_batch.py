@@ -110,19 +110,22 @@ class PackedBatch:
         )
 
     def packed_seq_params(self):
-        """Megatron-core ``PackedSeqParams(qkv_format="thd", ...)`` for this row.
+        """Megatron-core ``PackedSeqParams(qkv_format="thd", ...)`` for this row, as
+        :class:`thdpack.megatron.packed_seq_params.THDPackedSeqParams`: Megatron's fields, plus host copies of
+        the boundaries for kernels that loop over samples on the host (thdpack's torch attention; reading the
+        device arrays back would be a sync per layer).
 
         Follows the TE fast-path rule: when no pad lies between samples, ``cu_seqlens_q_padded`` is the very
         object ``cu_seqlens_q``, so TE does not set ``pad_between_seqs`` and FlashAttention stays eligible.
         Boundaries are global: on a CP shard every rank passes the same arrays and TE divides by ``cp_size``.
         """
         try:
-            from megatron.core.packed_seq_params import PackedSeqParams
+            from thdpack.megatron.packed_seq_params import THDPackedSeqParams
         except ImportError as e:  # pragma: no cover - megatron-core is a dependency
             raise ImportError(
                 "PackedBatch.packed_seq_params() needs megatron-core: pip install 'megatron-core>=0.16'"
             ) from e
-        params = PackedSeqParams(
+        return THDPackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
@@ -130,12 +133,9 @@ class PackedBatch:
             cu_seqlens_kv_padded=self.cu_seqlens_padded,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
+            cu_seqlens_q_host=self.layout.cu_seqlens,
+            cu_seqlens_q_padded_host=self.layout.cu_seqlens_padded,
         )
-        # Host copies ride along for kernels that loop over samples on the host (thdpack's torch attention):
-        # reading the device arrays back would be a sync per layer.
-        params.cu_seqlens_q_host = self.layout.cu_seqlens
-        params.cu_seqlens_q_padded_host = self.layout.cu_seqlens_padded
-        return params
 
     def shard_for_cp(self, cp_size: int, cp_rank: int) -> PackedBatch:
         """This CP rank's zigzag shard: every token-aligned tensor sliced with :func:`cp_partition_indices`,

@@ -307,6 +307,25 @@ def test_packed_seq_params_follow_the_te_fast_path_rule():
     assert distinct.cu_seqlens_q_padded.tolist() == [0, 4, 8, 12]
 
 
+@pytest.mark.parametrize("alignment", [Alignment(), Alignment(cp_size=2)])
+def test_packed_seq_params_declare_host_copies_of_the_boundaries(alignment):
+    # Megatron's PackedSeqParams plus two declared host fields (for the torch attention's per-sample loop):
+    # the host copies are the layout's, and are one object exactly when the device boundaries are.
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from thdpack.megatron.packed_seq_params import THDPackedSeqParams
+
+    p = pack_bshd(design_example_batch(), alignment=alignment)
+    params = p.packed_seq_params()
+    assert isinstance(params, THDPackedSeqParams) and isinstance(params, PackedSeqParams)
+    assert params.cu_seqlens_q_host is p.layout.cu_seqlens
+    assert params.cu_seqlens_q_padded_host is p.layout.cu_seqlens_padded
+    assert (params.cu_seqlens_q_host is params.cu_seqlens_q_padded_host) == (
+        params.cu_seqlens_q is params.cu_seqlens_q_padded
+    )
+    assert "cu_seqlens_q_host" not in vars(PackedSeqParams())  # Megatron's own class is untouched
+
+
 def test_bridge_per_sample_rule_never_pads_less_than_ours():
     # 5 samples of 3 tokens, cp=2, tp=4 with SP: ours pads each to 4 and the total to 8; Bridge pads each to
     # lcm(2cp, cp*tp) = 8.

@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from thdpack.context_parallel import cp_partition_indices
+from thdpack.megatron.packed_seq_params import THDPackedSeqParams
 
 Boundaries = Tensor | Sequence[int]
 BACKENDS = ("auto", "varlen", "flash", "sdpa", "dense")
@@ -412,7 +413,7 @@ def attend_thd(
         if not have_host:
             raise ValueError(
                 "context parallelism in the torch attention needs host copies of the boundaries "
-                "(host_cu_seqlens*; thdpack's PackedBatch.packed_seq_params() attaches them)"
+                "(host_cu_seqlens*; PackedBatch.packed_seq_params() declares them in THDPackedSeqParams)"
             )
         # Rank-major gathered rows -> global order, with TE's partition computed on the host boundaries.
         order = _cp_gather_order(tuple(host_cup), cp_size, device)
@@ -483,8 +484,9 @@ class TorchTHDAttention(MegatronModule):
 
     Constructor and forward mirror megatron-core 0.16.1's `DotProductAttention`. Head counts and
     head size are read from the tensors, so TP needs nothing here (Megatron passes per-partition
-    heads). Host copies of the boundaries are taken from `packed_seq_params.cu_seqlens_q_host` and
-    `packed_seq_params.cu_seqlens_q_padded_host` when the packer sets them.
+    heads). Host copies of the boundaries are taken from a `THDPackedSeqParams` (what
+    `PackedBatch.packed_seq_params()` returns); from a plain `PackedSeqParams` the boundaries are read on the
+    host only when they are host tensors.
     """
 
     backend: str = "auto"
@@ -558,6 +560,7 @@ class TorchTHDAttention(MegatronModule):
                 raise NotImplementedError("THD attention supports self-attention only")
             p = packed_seq_params
             fold = p.cu_seqlens_q_padded is None or p.cu_seqlens_q_padded is p.cu_seqlens_q
+            host = p if isinstance(p, THDPackedSeqParams) else None
             out = attend_thd(
                 query,
                 key,
@@ -568,8 +571,8 @@ class TorchTHDAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 dropout_p=dropout_p,
                 cp_group=self._cp_group(p),
-                host_cu_seqlens=getattr(p, "cu_seqlens_q_host", None),
-                host_cu_seqlens_padded=getattr(p, "cu_seqlens_q_padded_host", None),
+                host_cu_seqlens=None if host is None else host.cu_seqlens_q_host,
+                host_cu_seqlens_padded=None if host is None else host.cu_seqlens_q_padded_host,
                 backend=self.backend,
             )
             return out.reshape(out.shape[0], -1)

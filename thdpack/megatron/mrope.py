@@ -213,18 +213,18 @@ def apply_rotary_per_token(t: torch.Tensor, freqs: torch.Tensor, config, mscale:
 
 
 def _packed_seq_params_with_rotary():
-    """``PackedSeqParams`` plus the per-token rotary that rides from ``self_attention`` to ``core_attention``.
-    Built lazily so importing this module does not import Megatron."""
+    """``PackedSeqParams`` (with thdpack's host boundaries, when given) plus the per-token rotary that rides from
+    ``self_attention`` to ``core_attention``. Built lazily so importing this module does not import Megatron."""
     global _PackedSeqParamsWithRotary
     if _PackedSeqParamsWithRotary is None:
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from .packed_seq_params import THDPackedSeqParams
 
         @dataclasses.dataclass
-        class PackedSeqParamsWithRotary(PackedSeqParams):
+        class PackedSeqParamsWithRotary(THDPackedSeqParams):
             rotary_q: torch.Tensor = None
             rotary_k: torch.Tensor = None
             mscale: float = 1.0
-            original: PackedSeqParams = None
+            original: object = None  # the PackedSeqParams core_attention gets back
 
         _PackedSeqParamsWithRotary = PackedSeqParamsWithRotary
     return _PackedSeqParamsWithRotary
