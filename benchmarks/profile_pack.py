@@ -7,7 +7,7 @@
 Prints per-call averages of the top operators by self CPU time and the number of kernel launches and
 host-to-device copies per call; with ``--phases``, the median time of each step of ``pack_bshd`` run alone
 (warm caches, so the steps need not add up to a whole call). Timing numbers belong to
-``python -m thdpack.bench``; this shows the parts.
+``benchmarks/pack_vs_bridge.py``; this shows the parts.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import argparse
 import statistics
 
 import torch
+from pack_vs_bridge import DEFAULT_CASES, make_batch, parse_cases, sample_lengths, time_ms  # this directory
 from torch.profiler import ProfilerActivity, profile
 
 import thdpack
 from thdpack import assemble
-from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths, time_ms
 from thdpack.layout import plan_layout
 
-# Runtime and driver entry points a kernel launch goes through (torch uses the first, Triton the driver API).
+# Runtime and driver entry points a kernel launch may go through.
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
