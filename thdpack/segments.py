@@ -1,6 +1,6 @@
 """Find the real samples of a padded batch.
 
-Every input form of DESIGN.md section 3 is reduced to two boolean ``[B, S]`` host tensors, ``real`` (a real
+Every input form listed in docs/design.md is reduced to two boolean ``[B, S]`` host tensors, ``real`` (a real
 token) and ``begins`` (a real token that starts a sample); a sample runs from a ``begins`` position to just
 before the next ``begins`` or non-real position. Everything here is vectorized over the batch: the only Python
 loops are on the error path, to name the first offending row and column.

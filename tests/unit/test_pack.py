@@ -12,7 +12,7 @@ IGNORE = -100
 
 
 def design_example_batch():
-    """DESIGN.md's TE example: samples a a a | b b | c c c c."""
+    """docs/design.md's TE example ("logical vs physical boundaries"): samples a a a | b b | c c c c."""
     tokens = torch.tensor([[11, 12, 13, 0], [21, 22, 0, 0], [31, 32, 33, 34]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     return {"tokens": tokens, "attention_mask": mask}
