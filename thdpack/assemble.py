@@ -146,7 +146,7 @@ def _segment_table(
     real_end = seg_start.copy()  # the trailing pad segment, if any, has no real token
     real_end[:n] += length
     num_pad = T - layout.num_real_tokens
-    if num_pad:
+    if num_pad:  # each segment's pad runs from the end of its real tokens to its physical end
         pad_count = seg_start + padded_length - real_end
         pad_index = np.repeat(real_end - cumsum0(pad_count)[:-1], pad_count) + np.arange(num_pad)
     else:
