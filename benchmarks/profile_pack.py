@@ -7,7 +7,7 @@
 Prints per-call averages of the top operators by self CPU time and the number of kernel launches and
 host-to-device copies per call; with ``--phases``, the median time of each step of ``pack_bshd`` run alone
 (warm caches, so the steps need not add up to a whole call). Timing numbers belong to
-``python -m thdpack.bench``; this shows the parts.
+``benchmarks/pack_vs_bridge.py``; this shows the parts.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import argparse
 import statistics
 
 import torch
+from pack_vs_bridge import DEFAULT_CASES, make_batch, parse_cases, sample_lengths, time_ms  # this directory
 from torch.profiler import ProfilerActivity, profile
 
 import thdpack
-from thdpack import pack
-from thdpack.bench import DEFAULT_CASES, make_batch, parse_cases, sample_lengths, time_ms
+from thdpack import assemble
 from thdpack.layout import plan_layout
 
-# Runtime and driver entry points a kernel launch goes through (torch uses the first, Triton the driver API).
+# Runtime and driver entry points a kernel launch may go through.
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
@@ -78,7 +78,7 @@ def print_phases(case, device: str, calls: int) -> None:
     alignment = thdpack.Alignment(cp_size=case.cp_size)
     segments = thdpack.find_segments(mask, position_ids=position_ids)
     layout = plan_layout(segments.length, alignment)
-    table = pack._segment_table(segments, layout, case.seq_len, derive_labels=False)
+    table = assemble._segment_table(segments, layout, case.seq_len, derive_labels=False)
     with_mask = {**batch, "attention_mask": mask.to(device)}
     steps = {
         "find_segments(host mask, position ids)": lambda: thdpack.find_segments(
@@ -87,7 +87,9 @@ def print_phases(case, device: str, calls: int) -> None:
         "find_segments(host mask)": lambda: thdpack.find_segments(mask),
         "Segments.check": lambda: segments.check(tuple(mask.shape)),
         "plan_layout": lambda: plan_layout(segments.length, alignment),
-        "_segment_table": lambda: pack._segment_table(segments, layout, case.seq_len, derive_labels=False),
+        "_segment_table": lambda: assemble._segment_table(
+            segments, layout, case.seq_len, derive_labels=False
+        ),
         "pack_bshd(batch, segments=...)": lambda: thdpack.pack_bshd(
             batch, alignment=alignment, segments=segments
         ),
@@ -97,8 +99,8 @@ def print_phases(case, device: str, calls: int) -> None:
         steps["find_segments(GPU mask)"] = lambda: thdpack.find_segments(with_mask["attention_mask"])
         steps["torch.cuda.synchronize()"] = torch.cuda.synchronize
     else:
-        steps["host plan and gathers"] = lambda: pack._gather_outputs(
-            pack._expand_on_host(table), host["tokens"], host["labels"], host["loss_mask"], 0, -100
+        steps["host plan and gathers"] = lambda: assemble._gather_outputs(
+            assemble._expand_on_host(table), host["tokens"], host["labels"], host["loss_mask"], 0, -100
         )
     print(f"\n== {case.name} on {device}: T = {layout.total_tokens}, {len(segments)} samples")
     for name, fn in steps.items():

@@ -8,7 +8,8 @@ only by :mod:`thdpack.megatron` and :mod:`thdpack.attention`, imported lazily.
 
 from .context_parallel import cp_partition_indices, cp_unshard
 from .layout import Alignment, PackLayout, plan_layout
-from .pack import PackedBatch, pack_bshd, unpack_thd
+from .pack import pack_bshd, unpack_thd
+from .packed_batch import PackedBatch
 from .packed_input import from_packed_batch
 from .segments import Segments, find_segments
 

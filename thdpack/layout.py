@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .validate import check_lengths
+
 __all__ = ["Alignment", "PackLayout", "plan_layout"]
 
 MODES = ("distinct", "fold")
@@ -126,7 +128,6 @@ class PackLayout:
     ) -> PackLayout:
         """The layout of segments with these physical and attention lengths (int64 host ``[N]``, ``[M]``,
         ``[M]``; the real samples first)."""
-        # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
         padded = padded_lengths.numpy()
         total = int(padded.sum())
         if total > INT32_MAX:
@@ -135,38 +136,8 @@ class PackLayout:
                 f"{INT32_MAX} tokens"
             )
         same = attn_lengths is padded_lengths or np.array_equal(attn_lengths.numpy(), padded)
-        num_real = int(lengths.numpy().sum())
-        return cls._of_arrays(lengths, padded_lengths, attn_lengths, num_real, same, padded)
-
-    @classmethod
-    def _of_arrays(
-        cls,
-        lengths: torch.Tensor,
-        padded_lengths: torch.Tensor,
-        attn_lengths: torch.Tensor,
-        num_real_tokens: int,
-        attn_is_padded: bool,
-        padded: np.ndarray,
-    ) -> PackLayout:
-        # ``from_lengths`` with what the caller already knows: ``num_real_tokens`` (``lengths.sum()``),
-        # ``attn_is_padded`` (attention lengths equal to the physical ones) and ``padded`` (``padded_lengths`` as
-        # numpy). The boundaries' numpy arrays are kept in ``arrays``, so that no tensor is converted back.
-        cu_padded = cumsum0(padded, np.int32)
-        # Same object when equal: TE decides pad_between_seqs by identity (DESIGN.md, the TE fast-path rule).
-        cu = cu_padded if attn_is_padded else cumsum0(attn_lengths.numpy(), np.int32)
-        cu_padded_t = torch.from_numpy(cu_padded)
-        layout = cls(
-            lengths=lengths,
-            padded_lengths=padded_lengths,
-            attn_lengths=attn_lengths,
-            cu_seqlens=cu_padded_t if attn_is_padded else torch.from_numpy(cu),
-            cu_seqlens_padded=cu_padded_t,
-            max_seqlen=int(padded.max()),
-            total_tokens=int(cu_padded[-1]),
-            num_real_tokens=num_real_tokens,
-        )
-        layout.__dict__["arrays"] = (padded, cu_padded, cu)  # what the cached property computes
-        return layout
+        attn = None if same else attn_lengths.numpy()
+        return _layout(lengths, padded, attn, int(lengths.numpy().sum()), total)
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -196,7 +167,7 @@ def plan_layout(lengths: torch.Tensor, alignment: Alignment) -> PackLayout:
     """
     if not isinstance(alignment, Alignment):
         raise TypeError(f"plan_layout's alignment is a {type(alignment).__name__}: pass a thdpack.Alignment")
-    return layout_of(lengths, _host_lengths(lengths), alignment)
+    return layout_of(lengths, check_lengths(lengths), alignment)
 
 
 def layout_of(lengths: torch.Tensor, real: np.ndarray, alignment: Alignment) -> PackLayout:
@@ -220,44 +191,41 @@ def layout_of(lengths: torch.Tensor, real: np.ndarray, alignment: Alignment) -> 
                 "bucket or send fewer tokens per micro-batch"
             )
         total = a.pad_total_to
-    # Attention spans the physical length unless distinct mode pads inside samples (CP); the trailing pad
-    # segment attends to itself in full.
-    attn_is_physical = a.mode == "fold" or m == 1
-    attn = real
     if total > body:
         padded = np.append(padded, total - body)
-        attn = padded if attn_is_physical else np.append(real, total - body)
-    padded_t = torch.from_numpy(padded)
-    attn_t = padded_t if attn_is_physical else torch.from_numpy(attn)
+    # Attention spans the physical length unless distinct mode pads inside samples (CP); the trailing pad
+    # segment attends to itself in full. Each real length is at most its padded one, so the two agree exactly
+    # when their sums do.
+    attn = None
+    if a.mode == "distinct" and body != num_real:
+        attn = real if total == body else np.append(real, total - body)
     real_t = lengths if lengths.dtype == torch.int64 else torch.from_numpy(real)
-    # Each real length is at most its padded one, so the two agree exactly when their sums do.
-    same = attn_is_physical or body == num_real
-    return PackLayout._of_arrays(real_t, padded_t, attn_t, num_real, same, padded)
+    return _layout(real_t, padded, attn, num_real, total)
 
 
-def _host_lengths(lengths: torch.Tensor) -> np.ndarray:
-    """``lengths`` as an int64 numpy array, after the checks of :func:`plan_layout` (cheap: a few attribute reads
-    and one ``min`` over ``N`` entries)."""
-    if not isinstance(lengths, torch.Tensor):
-        raise TypeError(
-            f"plan_layout's lengths is a {type(lengths).__name__}: pass an integer torch.Tensor [N]"
-        )
-    if lengths.dtype not in _INTEGER_DTYPES:
-        raise TypeError(f"plan_layout's lengths is {lengths.dtype}: sample lengths must be an integer tensor")
-    if not lengths.is_cpu:
-        raise ValueError(f"plan_layout's lengths is on {lengths.device}: the layout is planned on the host")
-    if lengths.dim() != 1 or lengths.numel() == 0:
-        raise ValueError(
-            f"plan_layout's lengths is {list(lengths.shape)}: it must be [N] with N >= 1 samples"
-        )
-    real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
-    if real.min() < 1:
-        i = int(np.argmax(real < 1))
-        raise ValueError(f"sample {i} has length {int(real[i])}: every sample needs at least one real token")
-    return real
-
-
-_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+def _layout(
+    lengths: torch.Tensor, padded: np.ndarray, attn: np.ndarray | None, num_real: int, total: int
+) -> PackLayout:
+    """The :class:`PackLayout` of these int64 physical lengths ``[M]`` and attention lengths (None: the same as
+    the physical ones), ``num_real`` and ``total`` being their sums (``total`` checked against ``INT32_MAX``)."""
+    # numpy: these arrays are small and torch's per-op overhead would dominate the packing of a batch.
+    cu_padded = cumsum0(padded, np.int32)
+    # One object when equal: TE decides pad_between_seqs by identity (docs/design.md, "logical vs physical
+    # boundaries").
+    cu = cu_padded if attn is None else cumsum0(attn, np.int32)
+    padded_t, cu_padded_t = torch.from_numpy(padded), torch.from_numpy(cu_padded)
+    layout = PackLayout(
+        lengths=lengths,
+        padded_lengths=padded_t,
+        attn_lengths=padded_t if attn is None else torch.from_numpy(attn),
+        cu_seqlens=cu_padded_t if attn is None else torch.from_numpy(cu),
+        cu_seqlens_padded=cu_padded_t,
+        max_seqlen=int(padded.max()),
+        total_tokens=total,
+        num_real_tokens=num_real,
+    )
+    layout.__dict__["arrays"] = (padded, cu_padded, cu)  # known: the cached property need not convert
+    return layout
 
 
 def cumsum0(x, dtype=None):

@@ -14,9 +14,11 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from .assemble import assemble
 from .layout import INT32_MAX, PackLayout
-from .pack import PackedBatch, _check_position_ids, assemble, check_fill_values
-from .segments import INTEGER_DTYPES, MASK_DTYPES, Segments, check_tensor
+from .packed_batch import PackedBatch
+from .segments import Segments
+from .validate import INTEGER_DTYPES, MASK_DTYPES, check_fill_values, check_position_ids, check_tensor
 
 __all__ = ["from_packed_batch"]
 
@@ -197,7 +199,7 @@ def from_packed_batch(
         attn = np.append(lengths, T - body)
     else:
         attn = lengths
-    segments = Segments._of_arrays(np.zeros(lengths.size, dtype=np.int64), starts, lengths)
+    segments = Segments.from_numpy(np.zeros(lengths.size, dtype=np.int64), starts, lengths)
     layout = PackLayout.from_lengths(segments.length, torch.from_numpy(padded), torch.from_numpy(attn))
     packed = assemble(
         tokens,
@@ -215,7 +217,7 @@ def from_packed_batch(
     if on_host:
         _check_pad(packed, padding_mask, loss_mask)
         if position_ids is not None and position_ids.is_cpu:
-            _check_position_ids(position_ids, segments)
+            check_position_ids(position_ids, segments)
     return packed
 
 

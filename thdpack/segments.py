@@ -1,6 +1,6 @@
 """Find the real samples of a padded batch.
 
-Every input form of DESIGN.md section 3 is reduced to two boolean ``[B, S]`` host tensors, ``real`` (a real
+Every input form listed in docs/design.md is reduced to two boolean ``[B, S]`` host tensors, ``real`` (a real
 token) and ``begins`` (a real token that starts a sample); a sample runs from a ``begins`` position to just
 before the next ``begins`` or non-real position. Everything here is vectorized over the batch: the only Python
 loops are on the error path, to name the first offending row and column.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .fused import fused_row_stats, fused_row_stats_available
+from .validate import check_segment_inputs
 
 __all__ = ["Segments", "find_segments"]
 
@@ -36,18 +36,19 @@ class Segments:
     length: torch.Tensor
 
     @classmethod
-    def _of_arrays(cls, row: np.ndarray, start: np.ndarray, length: np.ndarray) -> Segments:
-        """Segments over int64 numpy arrays (the tensors share their memory; ``arrays`` is known)."""
+    def from_numpy(cls, row: np.ndarray, start: np.ndarray, length: np.ndarray) -> Segments:
+        """Segments over int64 numpy arrays ``[N]`` (the tensors share their memory)."""
         segments = cls(
             row=torch.from_numpy(row), start=torch.from_numpy(start), length=torch.from_numpy(length)
         )
-        segments.__dict__["arrays"] = (row, start, length)  # what the cached property computes
+        segments.__dict__["arrays"] = (row, start, length)  # known: the cached property need not convert
         return segments
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row, start, length)`` as numpy arrays sharing the tensors' memory: host work reads these (numpy's
-        per-call overhead is lower than torch's at these sizes). Valid once :meth:`check` passed."""
+        per-call overhead is lower than torch's at these sizes, and each tensor conversion costs about as much
+        as a small numpy operation)."""
         return self.row.numpy(), self.start.numpy(), self.length.numpy()
 
     def __len__(self) -> int:
@@ -150,12 +151,11 @@ def find_segments(
     With a 4D mask, position ids are not read (the mask alone says where samples start; only their shape is
     checked): :func:`thdpack.pack_bshd` checks them against the samples.
 
-    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of a ``[7, B]`` table of per-row statistics
-    that one Triton kernel writes, see :func:`thdpack.fused.fused_row_stats`), and so do position ids on the GPU
-    next to a host mask (of the columns the restart check reads); pass host tensors, which data loaders deliver,
-    to cost none.
+    A mask on the GPU costs one device-to-host copy (for a 0/1 mask, of a ``[2B + 5]`` table of per-row
+    statistics), and so do position ids on the GPU next to a host mask (of the columns the restart check reads);
+    pass host tensors, which data loaders deliver, to cost none.
     """
-    _check_arguments(attention_mask, position_ids, input_ids, pad_token_id)
+    check_segment_inputs(attention_mask, position_ids, input_ids, pad_token_id)
     return segments_of(attention_mask, position_ids, input_ids, pad_token_id)
 
 
@@ -189,7 +189,7 @@ def segments_of(
                             f"the batch of shape {list(attention_mask.shape)} has no real token: every row is pad"
                         )
                     first, length = first[keep], length[keep]
-                return Segments._of_arrays(keep, first, length)
+                return Segments.from_numpy(keep, first, length)
             if runs is None:  # segment ids
                 ids = _host(attention_mask)
                 real, begins = _from_segment_ids(ids, ids != 0)
@@ -214,51 +214,6 @@ def segments_of(
             "find_segments needs attention_mask, position_ids, or input_ids together with pad_token_id"
         )
     return _segments_from_runs(real, begins)
-
-
-# What each input may hold. Integer dtypes are the ones numpy reads as they are (thdpack reads host tensors with
-# numpy); a mask may also be bool or floating (HF additive masks, bfloat16 collators).
-INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
-MASK_DTYPES = INTEGER_DTYPES | {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64}
-
-
-def check_tensor(name: str, t, dtypes: frozenset, what: str) -> None:
-    """Raise ``TypeError`` unless ``t`` is a tensor of one of ``dtypes`` (``what`` says which, for the message)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} is a {type(t).__name__}: pass a torch.Tensor ({what})")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} is {t.dtype}: {what}")
-
-
-def _check_arguments(attention_mask, position_ids, input_ids, pad_token_id) -> None:
-    """find_segments' entrance: types and dtypes, and a batch of at least one row and one column (a few
-    attribute reads, no pass over the data)."""
-    shape = None
-    if attention_mask is not None:
-        check_tensor(
-            "attention_mask", attention_mask, MASK_DTYPES, "a mask holds bool, integer or floating values"
-        )
-        shape = attention_mask.shape
-    if position_ids is not None:
-        check_tensor("position_ids", position_ids, INTEGER_DTYPES, "position ids must be an integer tensor")
-        shape = shape or position_ids.shape
-    if input_ids is not None:
-        check_tensor("input_ids", input_ids, INTEGER_DTYPES, "token ids must be an integer tensor")
-        shape = shape or input_ids.shape
-    if pad_token_id is not None and (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool)):
-        raise TypeError(f"pad_token_id is {pad_token_id!r}: it must be an int")
-    if shape is not None and len(shape) >= 2 and (shape[0] == 0 or shape[-1] == 0):
-        name = (
-            "attention_mask"
-            if attention_mask is not None
-            else "position_ids"
-            if position_ids is not None
-            else "input_ids"
-        )
-        raise ValueError(
-            f"{name} has shape {list(shape)}: an empty batch has no sample (a batch needs B >= 1 rows and S >= 1 "
-            "columns)"
-        )
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -422,10 +377,7 @@ def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:
 
 
 def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # Reduced on the GPU; one copy of a [B]-sized table comes back. One Triton kernel where it can (see
-    # thdpack.fused), about fifteen torch kernels otherwise.
-    if fused_row_stats_available(mask, position_ids):
-        return _row_stats_fused(mask, position_ids)
+    # Reduced on the GPU; one copy of a [2B + 5] table comes back.
     B = mask.shape[0]
     zero = torch.zeros((), dtype=torch.int64, device=mask.device)
     if mask.dtype == torch.bool:
@@ -447,14 +399,6 @@ def _row_stats_device(mask: torch.Tensor, position_ids: torch.Tensor | None) -> 
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
     return table[:B].numpy(), table[B : 2 * B].numpy(), holes, restarts, False, False, False
-
-
-def _row_stats_fused(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    table = fused_row_stats(mask, position_ids).cpu().numpy()  # [7, B]: the one copy to the host
-    restarts, negative, above_one, fractional = (bool(v) for v in table[3:].any(axis=1))
-    if negative or above_one or fractional:
-        return None, None, False, False, negative, above_one, fractional
-    return table[0], table[1], bool((table[2] > 1).any()), restarts, False, False, False
 
 
 def _from_segment_ids(ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ IGNORE = -100
 
 
 def design_example_batch():
-    """DESIGN.md's TE example: samples a a a | b b | c c c c."""
+    """docs/design.md's TE example ("logical vs physical boundaries"): samples a a a | b b | c c c c."""
     tokens = torch.tensor([[11, 12, 13, 0], [21, 22, 0, 0], [31, 32, 33, 34]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     return {"tokens": tokens, "attention_mask": mask}
@@ -305,6 +305,25 @@ def test_packed_seq_params_follow_the_te_fast_path_rule():
     distinct = pack_bshd(design_example_batch(), alignment=Alignment(cp_size=2)).packed_seq_params()
     assert distinct.cu_seqlens_q.tolist() == [0, 3, 5, 9]
     assert distinct.cu_seqlens_q_padded.tolist() == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize("alignment", [Alignment(), Alignment(cp_size=2)])
+def test_packed_seq_params_declare_host_copies_of_the_boundaries(alignment):
+    # Megatron's PackedSeqParams plus two declared host fields (for the torch attention's per-sample loop):
+    # the host copies are the layout's, and are one object exactly when the device boundaries are.
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from thdpack.megatron.packed_seq_params import THDPackedSeqParams
+
+    p = pack_bshd(design_example_batch(), alignment=alignment)
+    params = p.packed_seq_params()
+    assert isinstance(params, THDPackedSeqParams) and isinstance(params, PackedSeqParams)
+    assert params.cu_seqlens_q_host is p.layout.cu_seqlens
+    assert params.cu_seqlens_q_padded_host is p.layout.cu_seqlens_padded
+    assert (params.cu_seqlens_q_host is params.cu_seqlens_q_padded_host) == (
+        params.cu_seqlens_q is params.cu_seqlens_q_padded
+    )
+    assert "cu_seqlens_q_host" not in vars(PackedSeqParams())  # Megatron's own class is untouched
 
 
 def test_bridge_per_sample_rule_never_pads_less_than_ours():

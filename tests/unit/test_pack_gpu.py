@@ -1,13 +1,12 @@
-"""The packer on a GPU-resident batch: same result as on the host, and no host-device sync."""
+"""The packer on a GPU-resident batch (the torch device path): same result as on the host, and no host-device
+sync. Training packs on the host (``get_batch``); this path serves a batch that is already on a GPU."""
 
 import pytest
 import torch
 
 from thdpack import Alignment, find_segments, from_packed_batch, pack_bshd
-from thdpack.bench import count_syncs
-from thdpack.fused import fused_pack_available, fused_row_stats_available
 
-from .scripts.row_stats_check import segments_or_error
+from ..helpers import count_syncs, segments_or_error
 
 pytestmark = pytest.mark.gpu
 
@@ -18,15 +17,6 @@ def batch(B=6, S=40, seed=0):
     mask = torch.arange(S)[None] < lengths[:, None]
     tokens = torch.randint(1, 1000, (B, S), generator=g) * mask
     return {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": mask.float(), "attention_mask": mask}
-
-
-@pytest.fixture(params=["fused", "torch"])
-def path(request, monkeypatch):
-    """Which GPU path runs: "fused" (the Triton kernels) or "torch" (no Triton, or THDPACK_FUSED=0)."""
-    if request.param == "fused":
-        pytest.importorskip("triton", reason="the fused path needs Triton")
-    monkeypatch.setenv("THDPACK_FUSED", "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def assert_same_token_tensors(packed, expected):
@@ -45,17 +35,15 @@ ALIGNMENTS = [
 
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("given_labels", [True, False])
-def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels, path):
+def test_packing_a_gpu_batch_with_host_segments_makes_no_sync(alignment, given_labels):
     host = batch()
     host["weights"] = torch.rand(host["tokens"].shape).bfloat16()  # an extra key, a dtype numpy lacks
-    # MRoPE ids are gathered with the kernel's source map.
+    # MRoPE ids are gathered with the same source map as the tokens.
     host["mrope_position_ids"] = torch.randint(0, 50, (3, *host["tokens"].shape))
     if not given_labels:
         del host["labels"]
     segments = find_segments(host["attention_mask"])
     gpu = {k: v.cuda() for k, v in host.items() if k != "attention_mask"}
-    # The path under test is the one pack_bshd takes (not the other one, silently).
-    assert fused_pack_available(gpu["tokens"], gpu.get("labels"), gpu["loss_mask"]) == (path == "fused")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -87,9 +75,8 @@ def gpu_masks():
 
 
 @pytest.mark.parametrize("name,mask", list(gpu_masks()), ids=[name for name, _ in gpu_masks()])
-def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, path):
+def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask):
     gpu = mask.cuda()
-    assert fused_row_stats_available(gpu, None) == (path == "fused")
     # Same samples, or the same error, as on the host.
     assert segments_or_error(gpu) == segments_or_error(mask)
     if name in ("bool right", "int64 left", "float32", "bfloat16"):
@@ -98,9 +85,8 @@ def test_find_segments_on_a_gpu_mask_matches_the_host_with_one_copy(name, mask, 
 
 
 @pytest.mark.parametrize("B,S", [(2, 300_000), (20_000, 12)], ids=["wide", "tall"])
-def test_wide_and_tall_batches_match_the_host(B, S, path):
-    # Beyond the shapes the kernels were timed on (up to 131072 columns, 4096 rows): a row longer than many of the
-    # row-statistics kernel's column blocks, many programs, and a packed row of several packing blocks.
+def test_wide_and_tall_batches_match_the_host(B, S):
+    # Very wide and very tall batches: the device reductions and gathers at sizes beyond training's.
     host = batch(B, S, seed=3)
     mask = host["attention_mask"]
     gpu = {k: v.cuda() for k, v in host.items()}
@@ -117,15 +103,6 @@ def test_wide_and_tall_batches_match_the_host(B, S, path):
         assert segments_or_error(m.cuda()) == segments_or_error(m)
 
 
-def test_the_row_statistics_kernel_takes_position_ids_only_on_the_masks_device(path):
-    mask = batch()["attention_mask"].cuda()
-    positions = torch.arange(mask.shape[1]).expand(mask.shape).clone()
-    assert fused_row_stats_available(mask, positions.cuda()) == (path == "fused")
-    assert not fused_row_stats_available(mask, positions)  # host ids next to a GPU mask: the torch path
-    if torch.cuda.device_count() > 1:
-        assert not fused_row_stats_available(mask, positions.to("cuda:1"))
-
-
 @pytest.mark.parametrize("restart", [False, True])
 def test_host_mask_with_gpu_position_ids_matches_the_host(restart):
     # A host mask with position ids on the GPU: the restart check brings only the columns it reads to the host,
@@ -140,7 +117,7 @@ def test_host_mask_with_gpu_position_ids_matches_the_host(restart):
     assert (len(a) > mask.shape[0]) == restart
 
 
-def test_adopting_a_packed_gpu_batch_makes_no_sync(path):
+def test_adopting_a_packed_gpu_batch_makes_no_sync():
     # A Megatron-Bridge / NeMo packed batch: token tensors on the GPU, boundary arrays (with -1 sentinels and
     # argmin) on the host as the loader delivers them. Bridge's get_packed_seq_params reads argmin with .item().
     host = {
@@ -154,7 +131,6 @@ def test_adopting_a_packed_gpu_batch_makes_no_sync(path):
     }
     token_keys = ("tokens", "labels", "loss_mask")
     gpu = {k: v.cuda() if k in token_keys else v for k, v in host.items()}
-    assert fused_pack_available(gpu["tokens"], gpu["labels"], gpu["loss_mask"]) == (path == "fused")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -169,15 +145,12 @@ def test_adopting_a_packed_gpu_batch_makes_no_sync(path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_batch_on_another_gpu_than_the_current_one_takes_the_torch_path():
-    # The Triton kernels launch on the current device; a batch elsewhere must not reach them.
+def test_a_batch_on_another_gpu_than_the_current_one_is_packed_there():
     host = batch()
     segments = find_segments(host["attention_mask"])
     other = torch.device("cuda", 1)
     gpu = {k: v.to(other) for k, v in host.items()}
     assert torch.cuda.current_device() == 0
-    assert not fused_pack_available(gpu["tokens"], gpu["labels"], gpu["loss_mask"])
-    assert not fused_row_stats_available(gpu["attention_mask"], None)
     packed = pack_bshd(gpu, segments=segments)
     expected = pack_bshd(host)
     assert packed.tokens.device == other
@@ -185,7 +158,7 @@ def test_a_batch_on_another_gpu_than_the_current_one_takes_the_torch_path():
     assert segments_or_error(gpu["attention_mask"]) == segments_or_error(host["attention_mask"])
 
 
-def test_negative_labels_are_no_target_on_every_path(path):
+def test_negative_labels_are_no_target_on_a_gpu_batch():
     # A label of -1 (another convention's "no target") stays as given and counts no loss, as on the host.
     host = batch()
     host["labels"][:, ::3] = -1
@@ -194,7 +167,7 @@ def test_negative_labels_are_no_target_on_every_path(path):
     assert_same_token_tensors(pack_bshd(gpu, segments=segments), pack_bshd(host))
 
 
-def test_adopting_bridges_current_offline_form_on_a_gpu_makes_no_sync(path):
+def test_adopting_bridges_current_offline_form_on_a_gpu_makes_no_sync():
     # src/megatron/bridge/data/packing/gpt_sft.py without pad_seq_to_mult: the fill [8, 10) is a slot of
     # cu_seqlens_q that padding_mask (host) marks as pad; token tensors on the GPU.
     pad = torch.tensor([[False] * 8 + [True] * 2])

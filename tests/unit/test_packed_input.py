@@ -95,7 +95,7 @@ def test_nemo_pad_cu_seqlens_adds_zero_length_physical_slots_only():
 
 # ---------------------------------------------------------------------------------------------------------
 # Megatron-Bridge, legacy: GPTSFTPackedDataset.collate_fn in src/megatron/bridge/data/datasets/sft.py (until
-# e577829e1, July 2026). cu_seqlens_unpadded only with pad_seq_to_mult > 1; attention_mask None.
+# July 2026). cu_seqlens_unpadded only with pad_seq_to_mult > 1; attention_mask None.
 
 
 def bridge_legacy_batch():

@@ -302,7 +302,7 @@ def test_segments_check_accepts_exactly_what_a_plain_loop_accepts(samples, B, S)
 @settings(max_examples=60, deadline=None)
 @given(padded_batches(), alignments, st.booleans())
 def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels):
-    from thdpack import pack as pack_module
+    from thdpack import assemble as pack_module
     from thdpack.layout import plan_layout
 
     ids, _, _ = data
@@ -321,8 +321,8 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
 @settings(max_examples=60, deadline=None)
 @given(padded_batches(), alignments, st.booleans(), st.booleans())
 def test_device_torch_path_equals_host_path(data, alignment, with_labels, with_loss_mask):
-    """The torch path a GPU batch takes without the fused kernel, run on CPU tensors: the same outputs."""
-    from thdpack import pack as pack_module
+    """The torch path a GPU batch takes, run on CPU tensors: the same outputs."""
+    from thdpack import assemble as pack_module
     from thdpack.layout import plan_layout
 
     ids, tokens, gen = data

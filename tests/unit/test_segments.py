@@ -1,4 +1,4 @@
-"""find_segments: every input form of DESIGN.md section 3, and every error."""
+"""find_segments: every input form listed in docs/design.md, and every error."""
 
 import pytest
 import torch

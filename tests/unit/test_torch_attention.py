@@ -23,7 +23,7 @@ from thdpack.context_parallel import cp_partition_indices
 DTYPE = torch.float64
 D = 8
 
-# DESIGN.md's TE example: [a a a 1 b b 2 2 c c c c 3]
+# docs/design.md's TE example ("logical vs physical boundaries"): [a a a 1 b b 2 2 c c c c 3]
 CU = [0, 3, 5, 9]
 CU_PADDED = [0, 4, 8, 13]
 PAD_ROWS = [3, 6, 7, 12]

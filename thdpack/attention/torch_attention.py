@@ -17,8 +17,8 @@ The THD kernel, `attend_thd`, is callable on its own. Backends, first that appli
 `flash_attn_varlen_func` (same), an exact per-sample SDPA loop over host boundaries (always on CPU),
 and a dense masked SDPA that needs no host values (CUDA fallback, O(T^2) memory).
 
-Context parallelism: the local rows are this rank's zigzag shard (TE's `thd_get_partitioned_indices`:
-each physical sample is cut into `2*cp` chunks, rank `r` keeps chunks `r` and `2*cp-1-r`). K and V
+Context parallelism: the local rows are this rank's zigzag shard, as
+`thdpack.context_parallel.cp_partition_indices` gives it (TE's `thd_get_partitioned_indices`). K and V
 are all-gathered across the CP group with autograd, put back in global order, and every local query
 attends by its global position.
 """
@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from thdpack.context_parallel import cp_partition_indices
+from thdpack.megatron.packed_seq_params import THDPackedSeqParams
 
 Boundaries = Tensor | Sequence[int]
 BACKENDS = ("auto", "varlen", "flash", "sdpa", "dense")
@@ -147,11 +148,16 @@ def _cp_gather_order(cup: tuple[int, ...], cp_size: int, device: torch.device) -
     Every attention layer of a micro-batch asks for the same one, so it is built once per boundaries and sent
     to the device from pinned memory (a pageable copy would first wait for the GPU to drain).
     """
-    cup_host = torch.tensor(cup, dtype=torch.int64)
-    order = torch.cat([cp_partition_indices(cup_host, cp_size, r) for r in range(cp_size)])
+    order = torch.cat([_cp_local_rows(cup, cp_size, r) for r in range(cp_size)])
     if device.type == "cuda":
         order = order.pin_memory()
     return order.to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _cp_local_rows(cup: tuple[int, ...], cp_size: int, cp_rank: int) -> Tensor:
+    """Host int64 ``[T / cp]``: the global row of each of rank ``cp_rank``'s local rows (all rows without CP)."""
+    return cp_partition_indices(torch.tensor(cup, dtype=torch.int64), cp_size, cp_rank)
 
 
 def _real_rows(gidx: Tensor, cu: Tensor, cup: Tensor) -> Tensor:
@@ -250,32 +256,24 @@ def _sdpa(q, k, v, scale, dropout_p, mask=None, causal=False):
 def _attend_per_sample(q, k_full, v_full, cu, cup, cp_size, cp_rank, scale, dropout_p):
     """Exact reference: one SDPA per sample over its real tokens only; pad rows are zeros.
 
-    `k_full`/`v_full` hold every global row (gathered under CP); `q` holds the local rows: for each sample,
-    its whole slot without CP, chunks `r` and `2*cp-1-r` of its slot under CP (TE's zigzag).
+    `k_full`/`v_full` hold every global row (gathered under CP); `q` holds the local rows, those
+    `cp_partition_indices` gives this rank (every row without CP). Each sample's local rows are contiguous and
+    in order, and its real ones come first: under CP, chunks `r` and `2*cp-1-r` of its slot.
     """
+    rows = _cp_local_rows(tuple(cup), cp_size, cp_rank)
+    local_cu = np.searchsorted(rows.numpy(), cup).tolist()  # each sample's first local row
     pieces = []
     for i in range(len(cu) - 1):
-        n, start, phys = cu[i + 1] - cu[i], cup[i], cup[i + 1] - cup[i]
-        if cp_size == 1:
-            lo, rows, positions = start, phys, torch.arange(phys)
-        else:
-            c = phys // (2 * cp_size)
-            lo, rows = start // cp_size, phys // cp_size
-            positions = torch.cat(
-                (
-                    torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                    torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c),
-                )
-            )
+        n, start, lo, hi = cu[i + 1] - cu[i], cup[i], local_cu[i], local_cu[i + 1]
+        positions = rows[lo:hi] - start  # within the sample
         qpos = positions[positions < n].to(q.device)  # this rank's real rows of the sample: a prefix of them
         m = qpos.numel()
         if m:
             causal = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
             keys = slice(start, start + n)
             pieces.append(_sdpa(q[lo : lo + m], k_full[keys], v_full[keys], scale, dropout_p, mask=causal))
-        pieces.append(q.new_zeros((rows - m, *q.shape[1:])))
-    covered = cup[-1] // cp_size
-    pieces.append(q.new_zeros((q.shape[0] - covered, *q.shape[1:])))  # rows past the last sample
+        pieces.append(q.new_zeros((hi - lo - m, *q.shape[1:])))
+    pieces.append(q.new_zeros((q.shape[0] - local_cu[-1], *q.shape[1:])))  # rows past the last sample
     return torch.cat(pieces)
 
 
@@ -415,7 +413,7 @@ def attend_thd(
         if not have_host:
             raise ValueError(
                 "context parallelism in the torch attention needs host copies of the boundaries "
-                "(host_cu_seqlens*; thdpack's PackedBatch.packed_seq_params() attaches them)"
+                "(host_cu_seqlens*; PackedBatch.packed_seq_params() declares them in THDPackedSeqParams)"
             )
         # Rank-major gathered rows -> global order, with TE's partition computed on the host boundaries.
         order = _cp_gather_order(tuple(host_cup), cp_size, device)
@@ -486,8 +484,9 @@ class TorchTHDAttention(MegatronModule):
 
     Constructor and forward mirror megatron-core 0.16.1's `DotProductAttention`. Head counts and
     head size are read from the tensors, so TP needs nothing here (Megatron passes per-partition
-    heads). Host copies of the boundaries are taken from `packed_seq_params.cu_seqlens_q_host` and
-    `packed_seq_params.cu_seqlens_q_padded_host` when the packer sets them.
+    heads). Host copies of the boundaries are taken from a `THDPackedSeqParams` (what
+    `PackedBatch.packed_seq_params()` returns); from a plain `PackedSeqParams` the boundaries are read on the
+    host only when they are host tensors.
     """
 
     backend: str = "auto"
@@ -561,6 +560,7 @@ class TorchTHDAttention(MegatronModule):
                 raise NotImplementedError("THD attention supports self-attention only")
             p = packed_seq_params
             fold = p.cu_seqlens_q_padded is None or p.cu_seqlens_q_padded is p.cu_seqlens_q
+            host = p if isinstance(p, THDPackedSeqParams) else None
             out = attend_thd(
                 query,
                 key,
@@ -571,8 +571,8 @@ class TorchTHDAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 dropout_p=dropout_p,
                 cp_group=self._cp_group(p),
-                host_cu_seqlens=getattr(p, "cu_seqlens_q_host", None),
-                host_cu_seqlens_padded=getattr(p, "cu_seqlens_q_padded_host", None),
+                host_cu_seqlens=None if host is None else host.cu_seqlens_q_host,
+                host_cu_seqlens_padded=None if host is None else host.cu_seqlens_q_padded_host,
                 backend=self.backend,
             )
             return out.reshape(out.shape[0], -1)

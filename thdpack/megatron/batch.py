@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack import Alignment, PackedBatch, pack_bshd
-from thdpack.pack import split_bshd_batch
+from thdpack.validate import check_bshd_batch
 
 __all__ = ["BatchConfig", "ModelInputs", "get_batch"]
 
@@ -161,7 +161,7 @@ def _packed_inputs(
 def _bshd_inputs(batch: Mapping[str, torch.Tensor], first: bool, last: bool, device, config) -> ModelInputs:
     """The padded baseline: causal attention that never looks at a pad key; per-token loss on real targets."""
     # pack_bshd's entrance checks (types, dtypes, shapes, devices), then what this baseline needs of the mask.
-    fields = split_bshd_batch(batch, "get_batch")
+    fields = check_bshd_batch(batch, "get_batch")
     tokens, mask = fields.tokens, fields.attention_mask
     B, S = tokens.shape
     if mask is not None and mask.dim() != 2:

@@ -11,7 +11,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from thdpack.attention import CORE_ATTENTION_BACKENDS, get_core_attention
 
 from .compat import define_te_general_gemm
+from .mrope import enable_packed_mrope
 from .norm import use_torch_norm
+from .unwrap import unwrap_model
+
+__all__ = ["build_gpt_model", "gpt_layer_spec", "torch_block_spec", "unwrap_model"]
 
 
 def gpt_layer_spec(
@@ -115,14 +119,5 @@ def build_gpt_model(
     )
     if position_embedding_type == "mrope" and packed_mrope:
         # Megatron's MRoPE is wrong on packed rows under CP; the hooks act on THD calls only.
-        from .mrope import enable_packed_mrope
-
         enable_packed_mrope(model)
-    return model
-
-
-def unwrap_model(model):
-    """The model inside DDP / Float16Module-style wrappers (which keep it in ``.module``)."""
-    while hasattr(model, "module"):
-        model = model.module
     return model

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .unwrap import unwrap_model
+
 __all__ = [
     "PackedMultimodalRotaryEmbedding",
     "apply_rotary_per_token",
@@ -211,18 +213,18 @@ def apply_rotary_per_token(t: torch.Tensor, freqs: torch.Tensor, config, mscale:
 
 
 def _packed_seq_params_with_rotary():
-    """``PackedSeqParams`` plus the per-token rotary that rides from ``self_attention`` to ``core_attention``.
-    Built lazily so importing this module does not import Megatron."""
+    """``PackedSeqParams`` (with thdpack's host boundaries, when given) plus the per-token rotary that rides from
+    ``self_attention`` to ``core_attention``. Built lazily so importing this module does not import Megatron."""
     global _PackedSeqParamsWithRotary
     if _PackedSeqParamsWithRotary is None:
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from .packed_seq_params import THDPackedSeqParams
 
         @dataclasses.dataclass
-        class PackedSeqParamsWithRotary(PackedSeqParams):
+        class PackedSeqParamsWithRotary(THDPackedSeqParams):
             rotary_q: torch.Tensor = None
             rotary_k: torch.Tensor = None
             mscale: float = 1.0
-            original: PackedSeqParams = None
+            original: object = None  # the PackedSeqParams core_attention gets back
 
         _PackedSeqParamsWithRotary = PackedSeqParamsWithRotary
     return _PackedSeqParamsWithRotary
@@ -297,8 +299,6 @@ def enable_packed_mrope(model: nn.Module | Sequence[nn.Module]) -> int:
     Raises ``ValueError`` for a model that is not ``position_embedding_type="mrope"``.
     """
     from megatron.core.transformer.attention import Attention
-
-    from .models import unwrap_model
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     hooked = 0

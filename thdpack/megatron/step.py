@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .batch import BatchConfig, get_batch
-from .models import unwrap_model
+from .unwrap import unwrap_model
 
 __all__ = ["forward_step", "loss_func", "make_forward_step", "reduce_loss_report"]
 

@@ -1,18 +1,24 @@
-"""Benchmarks for thdpack: ``python -m thdpack.bench <name> [options]``.
+"""thdpack's packer against Megatron-Bridge's, ms per batch: ``python benchmarks/pack_vs_bridge.py [options]``.
 
-``pack``: ms per batch to turn a right-padded BSHD batch into one THD row, thdpack's ``pack_bshd`` next to
-Megatron-Bridge 0.6.2's in-batch packer (``pack_right_padded_sequence_batch_to_mcore_thd``), the packer
-users would otherwise use. Both get the same padded batch and the same per-sample CP alignment, and the
-bench checks once per case that they produce the same THD row, so the times compare like for like.
+Turns a right-padded BSHD batch into one THD row with thdpack's ``pack_bshd`` and with Megatron-Bridge's
+in-batch packer (``pack_right_padded_sequence_batch_to_mcore_thd`` in ``megatron/bridge/data/packing/in_batch.py``),
+the packer users would otherwise use. Both get the same padded batch and the same per-sample CP alignment, and
+the benchmark checks once per case that they produce the same THD row, so the times compare like for like.
 
-Bridge is not a dependency and none of its code lives in this repository: its wheel is downloaded at
-benchmark time into a cache (``$THDPACK_BENCH_CACHE`` or ``~/.cache/thdpack``), and the one module that
-holds the packer (torch-only, plus the constant ``IGNORE_INDEX = -100``) is read from the wheel and
-executed in memory. When that fails, the peer column is skipped with a one-line reason.
+Bridge is not a dependency and this script downloads nothing. Give it Bridge's code one of three ways:
 
-    python -m thdpack.bench pack                              # CPU, the four issue cases
-    python -m thdpack.bench pack --device cuda --sync-check   # GPU-resident batch (H100/H200)
-    python -m thdpack.bench pack --cases 8x8192,64x8192-cp2 --repeats 50 --json results.json
+- ``--bridge PATH``: a Megatron-Bridge source tree (``git clone https://github.com/NVIDIA-NeMo/Megatron-Bridge``),
+  a wheel, or an unzipped wheel. To get the wheel the numbers in ``benchmarks/results`` used:
+  ``pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-bridge==0.6.2 -d DIR``
+  (then pass ``DIR/megatron_bridge-0.6.2-*.whl``, or ``unzip`` it and pass the directory). Only the packer's
+  module is read, and executed in memory with its one non-torch import (the constant ``IGNORE_INDEX``)
+  replaced by its value;
+- an installed ``megatron.bridge`` (``pip install megatron-bridge``), imported when no ``--bridge`` is given;
+- neither: the Bridge column is skipped with a one-line reason (``--no-peer`` skips it outright).
+
+    python benchmarks/pack_vs_bridge.py --bridge DIR/megatron_bridge-0.6.2-py3-none-any.whl   # CPU
+    python benchmarks/pack_vs_bridge.py --device cuda --sync-check                            # GPU batch
+    python benchmarks/pack_vs_bridge.py --cases 8x8192,64x8192-cp2 --repeats 50 --json results.json
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import importlib
 import json
 import math
 import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -40,7 +46,6 @@ import torch
 
 IGNORE_INDEX = -100
 
-BRIDGE_VERSION = "0.6.2"
 BRIDGE_MODULE = "megatron/bridge/data/packing/in_batch.py"
 BRIDGE_FUNCTION = "pack_right_padded_sequence_batch_to_mcore_thd"
 # The module's only non-torch import; replaced by the constant it brings in.
@@ -112,53 +117,54 @@ def make_batch(lengths: torch.Tensor, seq_len: int, *, seed: int, vocab_size: in
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The peer: Megatron-Bridge's in-batch packer, loaded from its wheel at benchmark time
+# The peer: Megatron-Bridge's in-batch packer, from a path the user gives or an installed megatron.bridge
 
 
-def bench_cache_dir() -> Path:
-    return Path(os.environ.get("THDPACK_BENCH_CACHE") or Path.home() / ".cache" / "thdpack")
+def load_bridge_packer(path: Path | None = None) -> tuple[Callable, str]:
+    """``(Bridge's pack_right_padded_sequence_batch_to_mcore_thd, where it came from)``.
 
-
-def _bridge_wheel(cache: Path) -> Path:
-    pattern = f"megatron_bridge-{BRIDGE_VERSION}-*.whl"
-    found = sorted(cache.glob(pattern))
-    if found:
-        return found[0]
-    cache.mkdir(parents=True, exist_ok=True)
-    # The issue's command; short network timeouts so an offline machine skips the peer in seconds.
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--python-version", "3.12"]
-    pip += ["--only-binary=:all:", "--timeout", "20", "--retries", "1"]
-    pip += [f"megatron-bridge=={BRIDGE_VERSION}", "-d", str(cache)]
-    proc = subprocess.run(pip, capture_output=True, text=True, timeout=300)
-    found = sorted(cache.glob(pattern))
-    if proc.returncode != 0 or not found:
-        lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit status {proc.returncode}"]
-        raise RuntimeError(f"pip download megatron-bridge=={BRIDGE_VERSION} failed: {lines[-1]}")
-    return found[0]
-
-
-def load_bridge_packer(cache: Path | None = None) -> Callable:
-    """Bridge's ``pack_right_padded_sequence_batch_to_mcore_thd``, executed from the wheel, never written out.
-
-    Raises ``RuntimeError`` with a one-line reason when the wheel cannot be fetched or the module no longer
-    has the shape this bench expects (other imports than torch and the stubbed constant).
+    ``path``: a Megatron-Bridge source tree, a wheel, or an unzipped wheel; None: the installed
+    ``megatron.bridge``. Raises ``RuntimeError`` with a one-line reason when the module is not there or no
+    longer has the shape this benchmark expects (other imports than torch and the stubbed constant).
     """
-    wheel = _bridge_wheel(cache or bench_cache_dir())
-    with zipfile.ZipFile(wheel) as zf:
-        source = zf.read(BRIDGE_MODULE).decode()
+    if path is None:
+        try:
+            module = importlib.import_module(BRIDGE_MODULE.removesuffix(".py").replace("/", "."))
+        except ImportError as e:
+            raise RuntimeError(
+                f"no installed megatron.bridge ({e}); pass --bridge PATH (see this script's docstring)"
+            ) from None
+        return getattr(module, BRIDGE_FUNCTION), f"installed {module.__file__}"
+    source, origin = _read_bridge_module(Path(path))
     if source.count(BRIDGE_STUBBED_IMPORT) != 1:
-        raise RuntimeError(
-            f"{BRIDGE_MODULE} in {wheel.name} no longer has the import {BRIDGE_STUBBED_IMPORT!r}"
-        )
+        raise RuntimeError(f"{origin} no longer has the import {BRIDGE_STUBBED_IMPORT!r}")
     source = source.replace(BRIDGE_STUBBED_IMPORT, f"IGNORE_INDEX = {IGNORE_INDEX}")
     for node in ast.walk(ast.parse(source)):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         names += [node.module] if isinstance(node, ast.ImportFrom) else []
         if any(n not in BRIDGE_ALLOWED_IMPORTS for n in names):
-            raise RuntimeError(f"{BRIDGE_MODULE} imports {names}: only torch and the stdlib are expected")
+            raise RuntimeError(f"{origin} imports {names}: only torch and the stdlib are expected")
     module = types.ModuleType("megatron_bridge_in_batch")
-    exec(compile(source, f"{wheel.name}/{BRIDGE_MODULE}", "exec"), module.__dict__)
-    return getattr(module, BRIDGE_FUNCTION)
+    exec(compile(source, origin, "exec"), module.__dict__)
+    return getattr(module, BRIDGE_FUNCTION), origin
+
+
+def _read_bridge_module(path: Path) -> tuple[str, str]:
+    """The packer module's source and where it was read: from a wheel (a zip), or under a directory (a source
+    tree keeps the package under ``src/``, an unzipped wheel at its top)."""
+    if path.is_file() and zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            try:
+                return zf.read(BRIDGE_MODULE).decode(), f"{path}/{BRIDGE_MODULE}"
+            except KeyError:
+                raise RuntimeError(f"{path} has no {BRIDGE_MODULE}: is it a megatron-bridge wheel?") from None
+    for candidate in (path / BRIDGE_MODULE, path / "src" / BRIDGE_MODULE):
+        if candidate.is_file():
+            return candidate.read_text(), str(candidate)
+    raise RuntimeError(
+        f"{path} holds neither {BRIDGE_MODULE} nor src/{BRIDGE_MODULE}: pass a Megatron-Bridge source tree, a "
+        "wheel or an unzipped wheel"
+    )
 
 
 def bridge_pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -447,8 +453,8 @@ def run_pack(args) -> int:
     packer, peer_note = None, "disabled (--no-peer)"
     if not args.no_peer:
         try:
-            packer = load_bridge_packer()
-            peer_note = f"megatron-bridge {BRIDGE_VERSION} {BRIDGE_FUNCTION}"
+            packer, origin = load_bridge_packer(args.bridge)
+            peer_note = f"megatron-bridge {BRIDGE_FUNCTION} from {origin}"
         except Exception as e:  # noqa: BLE001 - any failure only drops the peer column
             peer_note = f"skipped: {type(e).__name__}: {e}".splitlines()[0]
             print(f"megatron-bridge peer column {peer_note}", file=sys.stderr, flush=True)
@@ -480,40 +486,45 @@ def run_pack(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m thdpack.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="<name>")
-
-    pack = sub.add_parser("pack", help="thdpack.pack_bshd vs Megatron-Bridge's in-batch packer, ms per batch")
-    pack.add_argument(
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/pack_vs_bridge.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--bridge",
+        type=Path,
+        metavar="PATH",
+        help="Megatron-Bridge source tree, wheel or unzipped wheel (default: the installed megatron.bridge)",
+    )
+    parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
         help="where the batch lives (cuda: a GPU-resident batch)",
     )
-    pack.add_argument(
+    parser.add_argument(
         "--cases",
         type=parse_cases,
         default=parse_cases(DEFAULT_CASES),
         help=f"comma-separated BxS[-cpN] (default {DEFAULT_CASES})",
     )
-    pack.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median reported)")
-    pack.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    pack.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    pack.add_argument("--seed", type=int, default=0, help="seed of the length mix and tokens")
-    pack.add_argument("--no-peer", action="store_true", help="skip Megatron-Bridge (no download)")
-    pack.add_argument(
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed calls per measurement (median reported)"
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the length mix and tokens")
+    parser.add_argument("--no-peer", action="store_true", help="skip Megatron-Bridge")
+    parser.add_argument(
         "--sync-check",
         action="store_true",
         help='cuda: run pack_bshd under torch.cuda.set_sync_debug_mode("error") and report',
     )
-    pack.add_argument("--json", metavar="PATH", help="also write machine-readable results here")
-    pack.set_defaults(func=run_pack)
+    parser.add_argument("--json", metavar="PATH", help="also write machine-readable results here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    return run_pack(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,290 @@
+"""Entrance checks of every input the packer takes: one place for the rules and the messages.
+
+Used by :func:`thdpack.pack_bshd` (and ``get_batch``'s padded baseline), :func:`thdpack.find_segments`,
+:func:`thdpack.plan_layout` and :func:`thdpack.from_packed_batch`. These checks read attributes (type, dtype,
+shape, device), never a device tensor's values: they cost no sync. Value checks that need a pass over the data
+(holes in a mask, negative token ids) are made where the data is read anyway, on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .segments import Segments
+
+__all__ = [
+    "INTEGER_DTYPES",
+    "MASK_DTYPES",
+    "BshdFields",
+    "check_bshd_batch",
+    "check_fill_values",
+    "check_lengths",
+    "check_position_ids",
+    "check_segment_inputs",
+    "check_tensor",
+]
+
+# What each input may hold. Integer dtypes are the ones numpy reads as they are (thdpack reads host tensors with
+# numpy); a mask may also be bool or floating (HF additive masks, bfloat16 collators).
+INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+MASK_DTYPES = INTEGER_DTYPES | {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+# Keys of a batch that is already packed (Megatron-Bridge / NeMo): from_packed_batch takes those.
+PACKED_KEYS = frozenset(
+    {
+        "cu_seqlens",
+        "cu_seqlens_unpadded",
+        "cu_seqlens_argmin",
+        "cu_seqlens_unpadded_argmin",
+        "max_seqlen",
+        "cu_seqlens_q",
+        "cu_seqlens_kv",
+        "cu_seqlens_q_padded",
+        "cu_seqlens_kv_padded",
+        "max_seqlen_q",
+        "max_seqlen_kv",
+    }
+)
+
+_WHAT = {
+    INTEGER_DTYPES: "it must be an integer tensor (token ids, labels and position ids are integers)",
+    MASK_DTYPES: "it holds bool, integer or floating values",
+}
+
+
+def check_tensor(name: str, t, dtypes: frozenset, what: str) -> None:
+    """Raise ``TypeError`` unless ``t`` is a tensor of one of ``dtypes`` (``what`` says which, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}: pass a torch.Tensor ({what})")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} is {t.dtype}: {what}")
+
+
+def check_fill_values(pad_token_id: int, ignore_index: int) -> None:
+    """``pad_token_id`` an int >= 0 (pad goes through the embedding too), ``ignore_index`` an int."""
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool):
+        raise TypeError(f"pad_token_id={pad_token_id!r}: it must be an int")
+    if pad_token_id < 0:
+        raise ValueError(f"pad_token_id={pad_token_id}: pad is embedded like any token, so it must be >= 0")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index={ignore_index!r}: it must be an int")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A padded [B, S] batch (pack_bshd, get_batch)
+
+
+class BshdFields(NamedTuple):
+    """A ``[B, S]`` batch split by role, every tensor checked for type, dtype, shape and device."""
+
+    tokens: torch.Tensor
+    tokens_key: str
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    mrope: torch.Tensor | None
+    extra: dict[str, torch.Tensor]
+
+
+def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFields:
+    """The entrance checks of :func:`thdpack.pack_bshd` (also run by ``get_batch``'s padded baseline): types,
+    dtypes, shapes and devices of every key, from attributes only (no pass over the data, no device sync).
+
+    ``caller`` names the function in messages. A key whose value is None is absent.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{caller} takes a mapping of tensors (a dict), got a {type(batch).__name__}")
+    fields = dict(batch)
+    tokens = fields.pop("tokens", None)
+    input_ids = fields.pop("input_ids", None)
+    tokens_key = "tokens"
+    if input_ids is not None:
+        if tokens is not None and tokens is not input_ids:
+            raise ValueError(
+                "batch has both 'tokens' and 'input_ids' as different tensors: pass one (the same tensor under both "
+                "names is accepted, as Megatron-Bridge's collators send it)"
+            )
+        tokens, tokens_key = input_ids, "input_ids" if tokens is None else "tokens"
+    if tokens is None:
+        raise ValueError("batch needs 'tokens' (or 'input_ids') of shape [B, S]")
+    check_tensor(f"batch key '{tokens_key}'", tokens, INTEGER_DTYPES, "token ids must be an integer tensor")
+    shape = tokens.shape
+    if len(shape) != 2 or not shape[0] or not shape[1]:
+        raise ValueError(
+            f"batch key '{tokens_key}' is {list(shape)}: it must be [B, S] with B >= 1 rows and S >= 1 columns"
+        )
+    if not PACKED_KEYS.isdisjoint(fields):
+        raise ValueError(
+            f"batch key '{min(PACKED_KEYS.intersection(fields))}' marks a batch that is already packed "
+            "(Megatron-Bridge / NeMo): adopt it with thdpack.from_packed_batch"
+        )
+    B, S = shape
+    on_host = tokens.is_cpu
+    labels = fields.pop("labels", None)
+    loss_mask = fields.pop("loss_mask", None)
+    position_ids = fields.pop("position_ids", None)
+    mrope = fields.pop("mrope_position_ids", None)
+    attention_mask = fields.pop("attention_mask", None)
+    # Each key in one test on the common path (a tensor of an allowed dtype and the right shape, on the tokens'
+    # side of host/device); _raise_bad_key names what is wrong otherwise. Position ids and the mask are read
+    # where they are (host or device), like find_segments does. Written out, not looped: this runs per batch.
+    if labels is not None and not (
+        isinstance(labels, torch.Tensor)
+        and labels.dtype in INTEGER_DTYPES
+        and labels.shape == shape
+        and labels.is_cpu
+        and on_host
+    ):
+        _raise_bad_key("labels", labels, INTEGER_DTYPES, shape, True, tokens, tokens_key)
+    if loss_mask is not None and not (
+        isinstance(loss_mask, torch.Tensor)
+        and loss_mask.dtype in MASK_DTYPES
+        and loss_mask.shape == shape
+        and loss_mask.is_cpu
+        and on_host
+    ):
+        _raise_bad_key("loss_mask", loss_mask, MASK_DTYPES, shape, True, tokens, tokens_key)
+    if position_ids is not None and not (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.dtype in INTEGER_DTYPES
+        and position_ids.shape == shape
+    ):
+        _raise_bad_key("position_ids", position_ids, INTEGER_DTYPES, shape, False, tokens, tokens_key)
+    if mrope is not None:
+        _raise_bad_key("mrope_position_ids", mrope, INTEGER_DTYPES, (3, B, S), True, tokens, tokens_key)
+    if attention_mask is not None and not (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype in MASK_DTYPES
+        and (attention_mask.shape == shape or attention_mask.shape == (B, 1, S, S))
+    ):
+        check_tensor("batch key 'attention_mask'", attention_mask, MASK_DTYPES, _WHAT[MASK_DTYPES])
+        raise ValueError(
+            f"batch key 'attention_mask' is {list(attention_mask.shape)} but '{tokens_key}' is {list(shape)}: "
+            f"every [B, S] key must match {tokens_key} (a 4D mask is [B, 1, S, S] = {[B, 1, S, S]})"
+        )
+    any_none = False
+    for name, t in fields.items():
+        if t is None:
+            any_none = True
+        elif not (isinstance(t, torch.Tensor) and t.shape == shape and t.is_cpu and on_host):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"batch key '{name}' is a {type(t).__name__}: {caller} packs only tensors (drop the key or make "
+                    "it a [B, S] tensor)"
+                )
+            _raise_bad_key(name, t, None, shape, True, tokens, tokens_key, caller)
+    if any_none:
+        fields = {k: v for k, v in fields.items() if v is not None}
+    return BshdFields(tokens, tokens_key, labels, loss_mask, attention_mask, position_ids, mrope, fields)
+
+
+def _raise_bad_key(
+    name: str,
+    t,
+    dtypes: frozenset | None,
+    expected: tuple,
+    same_device: bool,
+    tokens: torch.Tensor,
+    tokens_key: str,
+    caller: str = "pack_bshd",
+) -> None:
+    """Name what is wrong with batch key ``name`` (error path of :func:`check_bshd_batch`): its type, dtype,
+    shape, or device, in that order. Returns when nothing is (a device batch whose keys all agree)."""
+    if dtypes is not None:
+        check_tensor(f"batch key '{name}'", t, dtypes, _WHAT[dtypes])
+    if t.shape != expected:
+        if dtypes is None:
+            rule = f"{caller} gathers every other key as a [B, S] tensor, and every [B, S] key must match {tokens_key}"
+        elif len(expected) == 2:
+            rule = f"every [B, S] key must match {tokens_key}"
+        else:
+            rule = f"{name} must be {list(expected)} ([3, B, S]: temporal, height, width)"
+        raise ValueError(
+            f"batch key '{name}' is {list(t.shape)} but '{tokens_key}' is {list(tokens.shape)}: {rule}"
+        )
+    if same_device and t.device != tokens.device:
+        raise ValueError(
+            f"batch key '{name}' is on {t.device} but '{tokens_key}' on {tokens.device}: token-aligned tensors must "
+            "be on one device (the mask and position ids may stay on the host)"
+        )
+
+
+def check_position_ids(position_ids: torch.Tensor, segments: Segments) -> None:
+    """Each sample's first token has position id 0 (host ids; an ``N``-sized read: ids that count on across a
+    sample boundary, or start a left-padded row at its column, are caught; the ids after a sample's first are
+    not read, the packed row's restart at every sample and count up by 1)."""
+    ids = position_ids.numpy()
+    row, start, _ = segments.arrays
+    # One sample per row, each at column 0 (right padding, the common case; two samples of one row cannot both
+    # start there): a column view instead of a gather. count_nonzero: a fifth of .any()'s per-call cost here.
+    one_per_row = row.size == ids.shape[0] and not np.count_nonzero(start)
+    first = ids[:, 0] if one_per_row else ids[row, start]
+    if np.count_nonzero(first):
+        i = int(np.argmax(first != 0))
+        raise ValueError(
+            f"row {int(row[i])} of position_ids has {int(first[i])} at column {int(start[i])}, where sample {i} "
+            "starts: position ids must restart at 0 at every sample (the packed row's position_ids do)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# find_segments and plan_layout
+
+
+def check_segment_inputs(attention_mask, position_ids, input_ids, pad_token_id) -> None:
+    """find_segments' entrance: types and dtypes, and a batch of at least one row and one column (a few
+    attribute reads, no pass over the data)."""
+    shape = None
+    if attention_mask is not None:
+        check_tensor(
+            "attention_mask", attention_mask, MASK_DTYPES, "a mask holds bool, integer or floating values"
+        )
+        shape = attention_mask.shape
+    if position_ids is not None:
+        check_tensor("position_ids", position_ids, INTEGER_DTYPES, "position ids must be an integer tensor")
+        shape = shape or position_ids.shape
+    if input_ids is not None:
+        check_tensor("input_ids", input_ids, INTEGER_DTYPES, "token ids must be an integer tensor")
+        shape = shape or input_ids.shape
+    if pad_token_id is not None and (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool)):
+        raise TypeError(f"pad_token_id is {pad_token_id!r}: it must be an int")
+    if shape is not None and len(shape) >= 2 and (shape[0] == 0 or shape[-1] == 0):
+        name = (
+            "attention_mask"
+            if attention_mask is not None
+            else "position_ids"
+            if position_ids is not None
+            else "input_ids"
+        )
+        raise ValueError(
+            f"{name} has shape {list(shape)}: an empty batch has no sample (a batch needs B >= 1 rows and S >= 1 "
+            "columns)"
+        )
+
+
+def check_lengths(lengths) -> np.ndarray:
+    """plan_layout's ``lengths`` as an int64 numpy array, after its checks (cheap: a few attribute reads and one
+    ``min`` over ``N`` entries)."""
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(
+            f"plan_layout's lengths is a {type(lengths).__name__}: pass an integer torch.Tensor [N]"
+        )
+    if lengths.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"plan_layout's lengths is {lengths.dtype}: sample lengths must be an integer tensor")
+    if not lengths.is_cpu:
+        raise ValueError(f"plan_layout's lengths is on {lengths.device}: the layout is planned on the host")
+    if lengths.dim() != 1 or lengths.numel() == 0:
+        raise ValueError(
+            f"plan_layout's lengths is {list(lengths.shape)}: it must be [N] with N >= 1 samples"
+        )
+    real = lengths.numpy().astype(np.int64, copy=False)  # small arrays: numpy keeps per-call overhead low
+    if real.min() < 1:
+        i = int(np.argmax(real < 1))
+        raise ValueError(f"sample {i} has length {int(real[i])}: every sample needs at least one real token")
+    return real
