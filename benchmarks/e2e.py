@@ -137,7 +137,9 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="hardware tag in file names (default: from the GPU name)")
     parser.add_argument("--work", type=Path, default=Path("outputs/e2e"), help="run directories")
     parser.add_argument("--combine", type=Path, nargs="+", help="merge these e2e JSON files into one report")
-    parser.add_argument("--notes", type=Path, help="with --combine: a markdown file of findings for the report")
+    parser.add_argument(
+        "--notes", type=Path, help="with --combine: a markdown file of findings for the report"
+    )
     parser.add_argument("extra", nargs="*", help="recipe overrides for every run")
     args = parser.parse_args()
     if args.combine:
