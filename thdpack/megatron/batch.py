@@ -193,7 +193,7 @@ def _bshd_inputs(batch: Mapping[str, torch.Tensor], first: bool, last: bool, dev
     def move(t):
         # From pageable memory a CUDA copy waits for the stream to drain (a hidden sync): pin first.
         if device.type == "cuda" and t.device.type == "cpu":
-            t = t.pin_memory()
+            t = t.contiguous().pin_memory()  # contiguous: an expanded view cannot be pinned
         return t.to(device, non_blocking=True)
 
     # Megatron's mask convention: True = masked out. [B, 1, 1, S] masks pad keys; attention adds causality.
