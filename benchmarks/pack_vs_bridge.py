@@ -36,7 +36,6 @@ import statistics
 import sys
 import time
 import types
-import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -232,17 +231,12 @@ def time_ms(
 
 
 def count_syncs(fn: Callable[[], object]) -> int:
-    """Host-device syncs that ``fn()`` makes, counted with ``torch.cuda.set_sync_debug_mode("warn")``."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # Only torch's per-operation warning: its first use in a process also warns that the mode is a prototype.
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+    """Host-device syncs that ``fn()`` makes (``thdpack.profiling.catch_syncs``)."""
+    from thdpack.profiling import catch_syncs
+
+    with catch_syncs() as sites:
+        fn()
+    return len(sites)
 
 
 def sync_check(fn: Callable[[], object]) -> tuple[bool, str]:

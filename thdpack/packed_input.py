@@ -18,7 +18,14 @@ from .assemble import assemble
 from .layout import INT32_MAX, PackLayout
 from .packed_batch import PackedBatch
 from .segments import Segments
-from .validate import INTEGER_DTYPES, MASK_DTYPES, check_fill_values, check_position_ids, check_tensor
+from .validate import (
+    INTEGER_DTYPES,
+    MASK_DTYPES,
+    check_fill_values,
+    check_position_ids,
+    check_tensor,
+    pop_tokens,
+)
 
 __all__ = ["from_packed_batch"]
 
@@ -222,19 +229,7 @@ def from_packed_batch(
 
 
 def _pop_tokens(fields: dict) -> tuple[torch.Tensor, str]:
-    tokens = fields.pop("tokens", None)
-    input_ids = fields.pop("input_ids", None)
-    key = "tokens"
-    if input_ids is not None:
-        if tokens is not None and tokens is not input_ids:
-            raise ValueError(
-                "batch has both 'tokens' and 'input_ids' as different tensors: pass one (the same tensor under both "
-                "names is accepted, as Bridge's in-batch collator sends it)"
-            )
-        tokens, key = input_ids, "input_ids" if tokens is None else "tokens"
-    if tokens is None:
-        raise ValueError("a packed batch needs 'tokens' (or 'input_ids') of shape [1, T]")
-    check_tensor(f"batch key '{key}'", tokens, INTEGER_DTYPES, "token ids must be an integer tensor")
+    tokens, key = pop_tokens(fields, "[1, T]")
     if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
         raise ValueError(
             f"batch key '{key}' is {list(tokens.shape)}: a packed batch is one row [1, T] with T >= 1 (Bridge and "

@@ -18,7 +18,28 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepProfile", "profile"]
+__all__ = ["StepProfile", "catch_syncs", "profile"]
+
+
+@contextlib.contextmanager
+def catch_syncs():
+    """Record every host-device sync inside the block (``torch.cuda.set_sync_debug_mode("warn")``): yields a
+    list that receives ``file:line`` of each sync's Python caller when the block ends."""
+    sites: list[str] = []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # Only torch's per-operation warning: its first use in a process also warns that the mode is a prototype.
+    sites += [
+        f"{Path(w.filename).name}:{w.lineno}"
+        for w in caught
+        if "synchronizing CUDA operation" in str(w.message)
+    ]
 
 
 class StepProfile:
@@ -84,22 +105,15 @@ def profile(enabled: bool, device: str):
 
     result = StepProfile()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with warnings.catch_warnings(record=True) as caught, torch_profile(activities=activities) as prof:
-        warnings.simplefilter("always")
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
+    syncs = catch_syncs() if device == "cuda" else contextlib.nullcontext([])
+    with torch_profile(activities=activities) as prof:
         start = time.perf_counter()
         try:
-            yield result
+            with syncs as sites:  # closed before the drain below, which is the profiler's own sync
+                yield result
         finally:
             if device == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.synchronize()
             result.wall_s = time.perf_counter() - start
     result.profiler = prof
-    result.syncs = [
-        f"{Path(w.filename).name}:{w.lineno}"
-        for w in caught
-        if "synchronizing CUDA operation" in str(w.message)
-    ]
+    result.syncs = sites

@@ -92,6 +92,26 @@ class BshdFields(NamedTuple):
     extra: dict[str, torch.Tensor]
 
 
+def pop_tokens(fields: dict, shape: str) -> tuple[torch.Tensor, str]:
+    """Take the token ids out of ``fields`` (``tokens`` or ``input_ids``; the same tensor under both names is
+    accepted, as Megatron-Bridge's collators send it): ``(tokens, key)``, checked to be an integer tensor.
+    ``shape`` is the expected shape, for the message when neither key is there."""
+    tokens = fields.pop("tokens", None)
+    input_ids = fields.pop("input_ids", None)
+    key = "tokens"
+    if input_ids is not None:
+        if tokens is not None and tokens is not input_ids:
+            raise ValueError(
+                "batch has both 'tokens' and 'input_ids' as different tensors: pass one (the same tensor under both "
+                "names is accepted, as Megatron-Bridge's collators send it)"
+            )
+        tokens, key = input_ids, "input_ids" if tokens is None else "tokens"
+    if tokens is None:
+        raise ValueError(f"batch needs 'tokens' (or 'input_ids') of shape {shape}")
+    check_tensor(f"batch key '{key}'", tokens, INTEGER_DTYPES, "token ids must be an integer tensor")
+    return tokens, key
+
+
 def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFields:
     """The entrance checks of :func:`thdpack.pack_bshd` (also run by ``get_batch``'s padded baseline): types,
     dtypes, shapes and devices of every key, from attributes only (no pass over the data, no device sync).
@@ -101,19 +121,7 @@ def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFiel
     if not isinstance(batch, Mapping):
         raise TypeError(f"{caller} takes a mapping of tensors (a dict), got a {type(batch).__name__}")
     fields = dict(batch)
-    tokens = fields.pop("tokens", None)
-    input_ids = fields.pop("input_ids", None)
-    tokens_key = "tokens"
-    if input_ids is not None:
-        if tokens is not None and tokens is not input_ids:
-            raise ValueError(
-                "batch has both 'tokens' and 'input_ids' as different tensors: pass one (the same tensor under both "
-                "names is accepted, as Megatron-Bridge's collators send it)"
-            )
-        tokens, tokens_key = input_ids, "input_ids" if tokens is None else "tokens"
-    if tokens is None:
-        raise ValueError("batch needs 'tokens' (or 'input_ids') of shape [B, S]")
-    check_tensor(f"batch key '{tokens_key}'", tokens, INTEGER_DTYPES, "token ids must be an integer tensor")
+    tokens, tokens_key = pop_tokens(fields, "[B, S]")
     shape = tokens.shape
     if len(shape) != 2 or not shape[0] or not shape[1]:
         raise ValueError(

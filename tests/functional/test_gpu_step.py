@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 
 import pytest
 import torch
@@ -47,20 +46,6 @@ def _run(model: str, extra: list[str]):
         return setup_run(compose("train", overrides=overrides))
 
 
-def _syncs(function) -> tuple[object, list[str]]:
-    """Run ``function`` with CUDA's sync check warning; return its result and the sync sites."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = function()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sites = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
-    return result, sites
-
-
 @pytest.mark.parametrize(
     ("model", "extra"),
     [("tiny_gpt", []), ("tiny_gpt", ["dataset.micro_batch_tokens=null"]), ("tiny_mrope", [])],
@@ -68,6 +53,7 @@ def _syncs(function) -> tuple[object, list[str]]:
 )
 def test_packed_step_makes_no_sync_in_steady_state(model, extra):
     from thdpack.megatron.setup import optimizer_step
+    from thdpack.profiling import catch_syncs
     from thdpack.train import _shutdown, forward_backward, train_step
 
     run = _run(model, extra)
@@ -82,7 +68,8 @@ def test_packed_step_makes_no_sync_in_steady_state(model, extra):
                 losses = forward_backward(run, batches)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            (updated, _), sites = _syncs(lambda: optimizer_step(run.optimizer))
+            with catch_syncs() as sites:
+                updated, _ = optimizer_step(run.optimizer)
             assert updated
             assert len(sites) == OPTIMIZER_SYNCS, sites
             run.scheduler.step(increment=1)
