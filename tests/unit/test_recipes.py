@@ -1,0 +1,76 @@
+"""Every model recipe composes into a Megatron TransformerConfig that megatron-core accepts (on CPU: the GPU
+presets are checked for their configuration, not built), and the default recipe passes the start-up checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from thdpack.checks import check_recipe
+from thdpack.flops import FlopsModel
+from thdpack.megatron.setup import Runtime, padded_vocab_size, transformer_config
+from thdpack.train import recipes_dir
+
+MODELS = sorted(p.stem for p in (recipes_dir() / "model").glob("*.yaml"))
+
+
+def _compose(*overrides):
+    with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_the_recipes_hold_every_model_the_readme_names():
+    assert MODELS == [
+        "llama3_1b",
+        "llama3_8b",
+        "qwen2_5_vl_7b",
+        "qwen3_30b_a3b",
+        "tiny_gpt",
+        "tiny_moe",
+        "tiny_mrope",
+    ]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_recipe_builds_a_transformer_config(model):
+    cfg = _compose(f"model={model}")
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch", True))
+    assert config.calculate_per_token_loss
+    assert cfg.model.name == model
+    vocab = padded_vocab_size(cfg.model, 259, 1)
+    flops = FlopsModel.of(config, vocab)
+    assert flops.training_flops([128]) > 0
+    if cfg.model.position_embedding_type == "mrope":
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        assert sum(cfg.model.config.mrope_section) == head_dim // 2
+
+
+def test_llama3_1b_flops_model_counts_its_gemm_parameters():
+    cfg = _compose("model=llama3_1b")
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch", True))
+    flops = FlopsModel.of(config, 128256)
+    # head dim 2048 / 32 = 64; 16 layers x (QKV 2048 x 64 x (32 + 2 x 8), output 32 x 64 x 2048, SwiGLU
+    # 3 x 2048 x 8192) + the output layer 2048 x 128256: 1.24e9, Llama 3.2 1B's parameters without the embedding
+    expected = 16 * (2048 * 64 * 48 + 32 * 64 * 2048 + 3 * 2048 * 8192) + 2048 * 128256
+    assert flops.gemm_params == expected
+    assert flops.attn_coeff == 2 * 16 * 32 * 64
+
+
+def test_default_recipe_passes_the_start_up_checks_on_one_cpu_process():
+    assert check_recipe(_compose(), world_size=1, device="cpu", backend="torch") == []
+
+
+def test_unknown_transformer_config_key_is_named():
+    cfg = _compose("+model.config.no_such_key=1")
+    with pytest.raises(ValueError, match="no_such_key"):
+        transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch", True))
+
+
+def test_runtime_defaults_follow_the_device():
+    from thdpack.megatron.setup import resolve_runtime
+
+    cfg = _compose()
+    runtime = resolve_runtime(cfg.model, cfg.trainer, packed=True)
+    expected = ("cuda", "bf16", "te") if torch.cuda.is_available() else ("cpu", "fp32", "torch")
+    assert (runtime.device, runtime.precision, runtime.backend) == expected
