@@ -19,7 +19,9 @@ from .layout import INT32_MAX, PackLayout
 from .packed_batch import PackedBatch
 from .segments import Segments
 from .validate import (
+    CURRENT_PACKED_KEYS,
     INTEGER_DTYPES,
+    LEGACY_PACKED_KEYS,
     MASK_DTYPES,
     check_fill_values,
     check_position_ids,
@@ -29,22 +31,6 @@ from .validate import (
 
 __all__ = ["from_packed_batch"]
 
-# Key names of the two conventions (Bridge's get_packed_seq_params and gpt_step read both).
-_LEGACY = (
-    "cu_seqlens",
-    "cu_seqlens_unpadded",
-    "cu_seqlens_argmin",
-    "cu_seqlens_unpadded_argmin",
-    "max_seqlen",
-)
-_CURRENT = (
-    "cu_seqlens_q",
-    "cu_seqlens_kv",
-    "cu_seqlens_q_padded",
-    "cu_seqlens_kv_padded",
-    "max_seqlen_q",
-    "max_seqlen_kv",
-)
 # Keys that are not token-aligned and that a form carries as metadata: read for their checks or not at all.
 _METADATA = ("token_count", "metadata", "total_tokens", "attention_mask")
 
@@ -245,8 +231,8 @@ def _pop_tokens(fields: dict) -> tuple[torch.Tensor, str]:
 
 def _pop_boundaries(fields: dict, T: int) -> tuple[np.ndarray, np.ndarray | None, int | None]:
     """``(physical, logical or None, max_seqlen or None)``, int64 numpy boundaries trimmed and aligned."""
-    legacy = [k for k in _LEGACY if k in fields]
-    current = [k for k in _CURRENT if k in fields]
+    legacy = [k for k in LEGACY_PACKED_KEYS if k in fields]
+    current = [k for k in CURRENT_PACKED_KEYS if k in fields]
     if legacy and current:
         raise ValueError(
             f"batch has '{legacy[0]}' (NeMo / legacy Bridge names) and '{current[0]}' (Bridge's current names): a "

@@ -34,22 +34,24 @@ __all__ = [
 INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 MASK_DTYPES = INTEGER_DTYPES | {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
-# Keys of a batch that is already packed (Megatron-Bridge / NeMo): from_packed_batch takes those.
-PACKED_KEYS = frozenset(
-    {
-        "cu_seqlens",
-        "cu_seqlens_unpadded",
-        "cu_seqlens_argmin",
-        "cu_seqlens_unpadded_argmin",
-        "max_seqlen",
-        "cu_seqlens_q",
-        "cu_seqlens_kv",
-        "cu_seqlens_q_padded",
-        "cu_seqlens_kv_padded",
-        "max_seqlen_q",
-        "max_seqlen_kv",
-    }
+# Keys of a batch that is already packed (Megatron-Bridge / NeMo), in their two conventions (Bridge's
+# get_packed_seq_params and gpt_step read both): from_packed_batch takes those.
+LEGACY_PACKED_KEYS = (
+    "cu_seqlens",
+    "cu_seqlens_unpadded",
+    "cu_seqlens_argmin",
+    "cu_seqlens_unpadded_argmin",
+    "max_seqlen",
 )
+CURRENT_PACKED_KEYS = (
+    "cu_seqlens_q",
+    "cu_seqlens_kv",
+    "cu_seqlens_q_padded",
+    "cu_seqlens_kv_padded",
+    "max_seqlen_q",
+    "max_seqlen_kv",
+)
+PACKED_KEYS = frozenset(LEGACY_PACKED_KEYS + CURRENT_PACKED_KEYS)
 
 _WHAT = {
     INTEGER_DTYPES: "it must be an integer tensor (token ids, labels and position ids are integers)",
@@ -133,39 +135,22 @@ def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFiel
             "(Megatron-Bridge / NeMo): adopt it with thdpack.from_packed_batch"
         )
     B, S = shape
-    on_host = tokens.is_cpu
     labels = fields.pop("labels", None)
     loss_mask = fields.pop("loss_mask", None)
     position_ids = fields.pop("position_ids", None)
     mrope = fields.pop("mrope_position_ids", None)
     attention_mask = fields.pop("attention_mask", None)
-    # Each key in one test on the common path (a tensor of an allowed dtype and the right shape, on the tokens'
-    # side of host/device); _raise_bad_key names what is wrong otherwise. Position ids and the mask are read
-    # where they are (host or device), like find_segments does. Written out, not looped: this runs per batch.
-    if labels is not None and not (
-        isinstance(labels, torch.Tensor)
-        and labels.dtype in INTEGER_DTYPES
-        and labels.shape == shape
-        and labels.is_cpu
-        and on_host
+    # Position ids and the mask are read where they are (host or device), like find_segments does; the other
+    # token-aligned keys must be on the tokens' device.
+    for name, t, dtypes, same_device in (
+        ("labels", labels, INTEGER_DTYPES, True),
+        ("loss_mask", loss_mask, MASK_DTYPES, True),
+        ("position_ids", position_ids, INTEGER_DTYPES, False),
     ):
-        _raise_bad_key("labels", labels, INTEGER_DTYPES, shape, True, tokens, tokens_key)
-    if loss_mask is not None and not (
-        isinstance(loss_mask, torch.Tensor)
-        and loss_mask.dtype in MASK_DTYPES
-        and loss_mask.shape == shape
-        and loss_mask.is_cpu
-        and on_host
-    ):
-        _raise_bad_key("loss_mask", loss_mask, MASK_DTYPES, shape, True, tokens, tokens_key)
-    if position_ids is not None and not (
-        isinstance(position_ids, torch.Tensor)
-        and position_ids.dtype in INTEGER_DTYPES
-        and position_ids.shape == shape
-    ):
-        _raise_bad_key("position_ids", position_ids, INTEGER_DTYPES, shape, False, tokens, tokens_key)
+        if t is not None:
+            _check_key(name, t, dtypes, shape, same_device, tokens, tokens_key)
     if mrope is not None:
-        _raise_bad_key("mrope_position_ids", mrope, INTEGER_DTYPES, (3, B, S), True, tokens, tokens_key)
+        _check_key("mrope_position_ids", mrope, INTEGER_DTYPES, (3, B, S), True, tokens, tokens_key)
     if attention_mask is not None and not (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype in MASK_DTYPES
@@ -180,19 +165,19 @@ def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFiel
     for name, t in fields.items():
         if t is None:
             any_none = True
-        elif not (isinstance(t, torch.Tensor) and t.shape == shape and t.is_cpu and on_host):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"batch key '{name}' is a {type(t).__name__}: {caller} packs only tensors (drop the key or make "
-                    "it a [B, S] tensor)"
-                )
-            _raise_bad_key(name, t, None, shape, True, tokens, tokens_key, caller)
+        elif not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"batch key '{name}' is a {type(t).__name__}: {caller} packs only tensors (drop the key or make it a "
+                "[B, S] tensor)"
+            )
+        else:
+            _check_key(name, t, None, shape, True, tokens, tokens_key, caller)
     if any_none:
         fields = {k: v for k, v in fields.items() if v is not None}
     return BshdFields(tokens, tokens_key, labels, loss_mask, attention_mask, position_ids, mrope, fields)
 
 
-def _raise_bad_key(
+def _check_key(
     name: str,
     t,
     dtypes: frozenset | None,
@@ -202,8 +187,8 @@ def _raise_bad_key(
     tokens_key: str,
     caller: str = "pack_bshd",
 ) -> None:
-    """Name what is wrong with batch key ``name`` (error path of :func:`check_bshd_batch`): its type, dtype,
-    shape, or device, in that order. Returns when nothing is (a device batch whose keys all agree)."""
+    """Raise for batch key ``name`` of :func:`check_bshd_batch`, naming what is wrong: its type, dtype, shape, or
+    device, in that order. Returns when nothing is."""
     if dtypes is not None:
         check_tensor(f"batch key '{name}'", t, dtypes, _WHAT[dtypes])
     if t.shape != expected:
