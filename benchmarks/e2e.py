@@ -103,6 +103,7 @@ def measure(result: dict, warmup: int) -> dict:
     real = sum(r["real_tokens"] for r in steady)
     profiled = next((r for r in result["records"] if "profile_wall_s" in r), {})
     steps = len(result["records"])
+    # get_batch's calls are not tied to steps: their mean over every step, warm-up included (an upper bound)
     packer_per_step = sum(result["packer_calls_s"]) / max(steps, 1)
     summary = result["summary"]
     out = {
@@ -172,7 +173,7 @@ def main() -> None:
         cfg = compose("train", overrides=common)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = transformer_config(
-        cfg.model, cfg.parallel, Runtime(device, "bf16" if device == "cuda" else "fp32", "torch", True)
+        cfg.model, cfg.parallel, Runtime(device, "bf16" if device == "cuda" else "fp32", "torch")
     )
     from thdpack.data import build_tokenizer
     from thdpack.megatron.setup import padded_vocab_size

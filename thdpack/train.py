@@ -126,7 +126,7 @@ def setup_run(cfg: DictConfig) -> Run:
     _setup_logging()
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
     packed = bool(data_cfg.pack_sequences_in_batch)
-    runtime = setup.resolve_runtime(cfg.model, trainer, packed)
+    runtime = setup.resolve_runtime(cfg.model, trainer)
     for warning in check_recipe(
         cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device, backend=runtime.backend
     ):

@@ -35,7 +35,7 @@ def test_the_recipes_hold_every_model_the_readme_names():
 @pytest.mark.parametrize("model", MODELS)
 def test_model_recipe_builds_a_transformer_config(model):
     cfg = _compose(f"model={model}")
-    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch", True))
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
     assert config.calculate_per_token_loss
     assert cfg.model.name == model
     vocab = padded_vocab_size(cfg.model, 259, 1)
@@ -48,7 +48,7 @@ def test_model_recipe_builds_a_transformer_config(model):
 
 def test_llama3_1b_flops_model_counts_its_gemm_parameters():
     cfg = _compose("model=llama3_1b")
-    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch", True))
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
     flops = FlopsModel.of(config, 128256)
     # head dim 2048 / 32 = 64; 16 layers x (QKV 2048 x 64 x (32 + 2 x 8), output 32 x 64 x 2048, SwiGLU
     # 3 x 2048 x 8192) + the output layer 2048 x 128256: 1.24e9, Llama 3.2 1B's parameters without the embedding
@@ -64,13 +64,13 @@ def test_default_recipe_passes_the_start_up_checks_on_one_cpu_process():
 def test_unknown_transformer_config_key_is_named():
     cfg = _compose("+model.config.no_such_key=1")
     with pytest.raises(ValueError, match="no_such_key"):
-        transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch", True))
+        transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
 
 
 def test_runtime_defaults_follow_the_device():
     from thdpack.megatron.setup import resolve_runtime
 
     cfg = _compose()
-    runtime = resolve_runtime(cfg.model, cfg.trainer, packed=True)
+    runtime = resolve_runtime(cfg.model, cfg.trainer)
     expected = ("cuda", "bf16", "te") if torch.cuda.is_available() else ("cpu", "fp32", "torch")
     assert (runtime.device, runtime.precision, runtime.backend) == expected

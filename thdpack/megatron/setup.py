@@ -35,20 +35,19 @@ MODEL_KEYS = (
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16" or "fp32"), the
-    attention ``backend`` ("te" or "torch") and whether the schedule packs (``packed``)."""
+    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16" or "fp32") and the
+    attention ``backend`` ("te" or "torch")."""
 
     device: str
     precision: str
     backend: str
-    packed: bool
 
     @property
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
 
-def resolve_runtime(model: Mapping, trainer: Mapping, packed: bool) -> Runtime:
+def resolve_runtime(model: Mapping, trainer: Mapping) -> Runtime:
     """``auto`` settings made concrete: CUDA when a GPU is visible, bf16 and TE there; CPU, fp32, torch else."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = trainer.get("precision", "auto")
@@ -61,7 +60,7 @@ def resolve_runtime(model: Mapping, trainer: Mapping, packed: bool) -> Runtime:
         backend = "te" if device == "cuda" else "torch"
     if backend not in ("te", "torch"):
         raise ValueError(f"model.attention_backend is '{backend}': it must be auto, te or torch")
-    return Runtime(device, precision, backend, packed)
+    return Runtime(device, precision, backend)
 
 
 def init_distributed(parallel: Mapping, seed: int, runtime: Runtime) -> None:
