@@ -14,7 +14,7 @@ synthetic spec: lognormal of mean 1024, sigma 1.5, 128-8192) and each batching o
 Reported per run (steady-state steps, after ``--warmup``): real tokens/s, step time, peak memory, model TFLOP/s
 per GPU on real tokens, one profiled step (wall against GPU busy time, host time in operators, kernel launches,
 host-device syncs), the packer's host time per step (``get_batch``: pack, CP shard, copies), and the ideal
-speedup over ``padded_seq`` from the FLOPs model (``thdpack.flops``) with ``fraction_of_ideal`` = measured /
+speedup over ``padded_seq`` from the FLOPs model (``thdpack.training.flops``) with ``fraction_of_ideal`` = measured /
 ideal. Writes ``<out>/e2e_<gpu>_<date>.json`` (``headline``: ``packed_budget`` against ``padded_seq``),
 ``.md`` and ``.png``.
 """
@@ -66,8 +66,8 @@ def run_one(overrides: list[str], run_dir: Path) -> dict:
     """Train the composed recipe in this process; return its summary, its records and the packer's host time."""
     from hydra import compose, initialize_config_dir
 
-    from thdpack import train as train_module
     from thdpack.megatron import step
+    from thdpack.training import loop as train_module
 
     with initialize_config_dir(str(train_module.recipes_dir()), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
@@ -149,9 +149,9 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from thdpack.flops import FlopsModel
     from thdpack.megatron.setup import Runtime, transformer_config
-    from thdpack.train import recipes_dir
+    from thdpack.training.flops import FlopsModel
+    from thdpack.training.loop import recipes_dir
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     tag = args.tag or (

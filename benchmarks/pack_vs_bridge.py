@@ -231,8 +231,8 @@ def time_ms(
 
 
 def count_syncs(fn: Callable[[], object]) -> int:
-    """Host-device syncs that ``fn()`` makes (``thdpack.profiling.catch_syncs``)."""
-    from thdpack.profiling import catch_syncs
+    """Host-device syncs that ``fn()`` makes (``thdpack.training.profiling.catch_syncs``)."""
+    from thdpack.training.profiling import catch_syncs
 
     with catch_syncs() as sites:
         fn()

@@ -20,8 +20,8 @@ from pack_vs_bridge import DEFAULT_CASES, make_batch, parse_cases, sample_length
 from torch.profiler import ProfilerActivity, profile
 
 import thdpack
-from thdpack import assemble
-from thdpack.layout import plan_layout
+from thdpack.packing import assemble
+from thdpack.packing.layout import plan_layout
 
 # Runtime and driver entry points a kernel launch may go through.
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")

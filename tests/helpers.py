@@ -7,11 +7,11 @@ from collections.abc import Callable
 import torch
 
 from thdpack import find_segments
-from thdpack.profiling import catch_syncs
+from thdpack.training.profiling import catch_syncs
 
 
 def count_syncs(fn: Callable[[], object]) -> int:
-    """Host-device syncs that ``fn()`` makes (``thdpack.profiling.catch_syncs``)."""
+    """Host-device syncs that ``fn()`` makes (``thdpack.training.profiling.catch_syncs``)."""
     with catch_syncs() as sites:
         fn()
     return len(sites)

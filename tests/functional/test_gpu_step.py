@@ -30,7 +30,7 @@ OPTIMIZER_SYNCS = 1
 def _run(model: str, extra: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from thdpack.train import recipes_dir, setup_run
+    from thdpack.training.loop import recipes_dir, setup_run
 
     os.environ.pop("MASTER_PORT", None)
     overrides = [
@@ -53,8 +53,8 @@ def _run(model: str, extra: list[str]):
 )
 def test_packed_step_makes_no_sync_in_steady_state(model, extra):
     from thdpack.megatron.setup import optimizer_step
-    from thdpack.profiling import catch_syncs
-    from thdpack.train import _shutdown, forward_backward, train_step
+    from thdpack.training.loop import _shutdown, forward_backward, train_step
+    from thdpack.training.profiling import catch_syncs
 
     run = _run(model, extra)
     try:

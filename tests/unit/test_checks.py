@@ -1,4 +1,4 @@
-"""The start-up checks of a recipe (thdpack.checks.check_recipe), one test a check, on recipes composed by Hydra
+"""The start-up checks of a recipe (thdpack.training.checks.check_recipe), one test a check, on recipes composed by Hydra
 from recipes/ exactly as ``python -m thdpack.train`` composes them. Every error names the key to change.
 
 The end-to-end test (a bad recipe stops ``python -m thdpack.train`` before any work) is in
@@ -8,8 +8,8 @@ tests/functional/test_train.py.
 import pytest
 from hydra import compose, initialize_config_dir
 
-from thdpack.checks import ConfigError, check_recipe
-from thdpack.train import recipes_dir
+from thdpack.training.checks import ConfigError, check_recipe
+from thdpack.training.loop import recipes_dir
 
 
 def recipe(*overrides: str):
@@ -180,7 +180,7 @@ def test_transformer_engine_attention_needs_a_gpu():
 
 
 def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
-    monkeypatch.setattr("thdpack.checks.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("thdpack.training.checks.importlib.util.find_spec", lambda name: None)
     fails(
         "model.attention_backend=te",
         match=r"model\.attention_backend=te needs Transformer Engine",

@@ -21,7 +21,7 @@ from thdpack import (
     plan_layout,
     unpack_thd,
 )
-from thdpack.layout import INT32_MAX
+from thdpack.packing.layout import INT32_MAX
 
 IGNORE = -100
 FUZZ = settings(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from thdpack import Alignment, find_segments, pack_bshd, plan_layout, unpack_thd
-from thdpack.layout import INT32_MAX
+from thdpack.packing.layout import INT32_MAX
 
 IGNORE = -100
 

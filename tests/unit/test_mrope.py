@@ -9,12 +9,12 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 
-from thdpack.context_parallel import cp_partition_indices
 from thdpack.megatron.mrope import (
     PackedMultimodalRotaryEmbedding,
     apply_rotary_per_token,
     mrope_frequencies,
 )
+from thdpack.packing.context_parallel import cp_partition_indices
 
 KV_CHANNELS = 16
 SECTION = [2, 3, 3]  # sums to KV_CHANNELS // 2

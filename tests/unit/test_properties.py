@@ -302,8 +302,8 @@ def test_segments_check_accepts_exactly_what_a_plain_loop_accepts(samples, B, S)
 @settings(max_examples=60, deadline=None)
 @given(padded_batches(), alignments, st.booleans())
 def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels):
-    from thdpack import assemble as pack_module
-    from thdpack.layout import plan_layout
+    from thdpack.packing import assemble as pack_module
+    from thdpack.packing.layout import plan_layout
 
     ids, _, _ = data
     segments = find_segments(ids)
@@ -322,8 +322,8 @@ def test_device_token_plan_equals_host_token_plan(data, alignment, derive_labels
 @given(padded_batches(), alignments, st.booleans(), st.booleans())
 def test_device_torch_path_equals_host_path(data, alignment, with_labels, with_loss_mask):
     """The torch path a GPU batch takes, run on CPU tensors: the same outputs."""
-    from thdpack import assemble as pack_module
-    from thdpack.layout import plan_layout
+    from thdpack.packing import assemble as pack_module
+    from thdpack.packing.layout import plan_layout
 
     ids, tokens, gen = data
     labels = (
@@ -354,7 +354,7 @@ def test_device_torch_path_equals_host_path(data, alignment, with_labels, with_l
     st.sampled_from(["0/1", "segment ids", "negated"]),
 )
 def test_device_mask_statistics_equal_host_statistics(data, dtype, with_position_ids, values):
-    from thdpack.segments import _row_stats_device, _row_stats_host
+    from thdpack.packing.segments import _row_stats_device, _row_stats_host
 
     ids, _, _ = data
     mask = {"0/1": ids != 0, "segment ids": ids, "negated": -ids}[values]

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from thdpack.checks import check_recipe
-from thdpack.flops import FlopsModel
 from thdpack.megatron.setup import Runtime, padded_vocab_size, transformer_config
-from thdpack.train import recipes_dir
+from thdpack.training.checks import check_recipe
+from thdpack.training.flops import FlopsModel
+from thdpack.training.loop import recipes_dir
 
 MODELS = sorted(p.stem for p in (recipes_dir() / "model").glob("*.yaml"))
 

@@ -12,13 +12,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from thdpack.attention import get_core_attention
-from thdpack.attention.torch_attention import (
+from thdpack.megatron.attention import get_core_attention
+from thdpack.megatron.attention.torch_attention import (
     TorchTHDAttention,
     attend_bshd,
     attend_thd,
 )
-from thdpack.context_parallel import cp_partition_indices
+from thdpack.packing.context_parallel import cp_partition_indices
 
 DTYPE = torch.float64
 D = 8
@@ -210,7 +210,7 @@ def _simulate_cp2(q, k, v, backend):
 
 def test_cp_gather_order_is_built_once_per_boundaries():
     # Every layer of a micro-batch passes the same boundaries: the order of the gathered K/V rows is built once.
-    from thdpack.attention.torch_attention import _cp_gather_order
+    from thdpack.megatron.attention.torch_attention import _cp_gather_order
 
     _cp_gather_order.cache_clear()
     q, k, v = qkv(20)

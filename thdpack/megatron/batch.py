@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack import Alignment, PackedBatch, pack_bshd
-from thdpack.validate import check_bshd_batch
+from thdpack.packing.validate import check_bshd_batch
 
 __all__ = ["BatchConfig", "ModelInputs", "get_batch"]
 

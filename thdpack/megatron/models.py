@@ -8,7 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from thdpack.attention import CORE_ATTENTION_BACKENDS, get_core_attention
+from thdpack.megatron.attention import CORE_ATTENTION_BACKENDS, get_core_attention
 
 from .compat import define_te_general_gemm
 from .mrope import enable_packed_mrope

@@ -2,7 +2,7 @@
 
 A packed row carries MRoPE ids ``[3, 1, T]`` (temporal, height, width), computed per sample and restarted at
 0 per sample; under CP every rank holds the ids of its own tokens, sliced with the same per-sample zigzag
-indices as the tokens (``thdpack.context_parallel.cp_partition_indices``). The only correct use of such ids
+indices as the tokens (``thdpack.packing.context_parallel.cp_partition_indices``). The only correct use of such ids
 is per token: token ``i`` rotates by the frequencies of ``ids[:, 0, i]``, nothing else.
 
 Megatron-core 0.16.1 gets this wrong in two places (``GPTModel(position_embedding_type="mrope")``):

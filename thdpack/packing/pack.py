@@ -1,7 +1,7 @@
 """``pack_bshd`` and its inverse ``unpack_thd``: a padded BSHD batch to one THD row and back.
 
-``pack_bshd`` checks the batch (:mod:`thdpack.validate`), finds its samples (:func:`thdpack.find_segments`),
-plans the row (:func:`thdpack.plan_layout`) and assembles it (:mod:`thdpack.assemble`). All metadata is computed
+``pack_bshd`` checks the batch (:mod:`thdpack.packing.validate`), finds its samples (:func:`thdpack.find_segments`),
+plans the row (:func:`thdpack.plan_layout`) and assembles it (:mod:`thdpack.packing.assemble`). All metadata is computed
 on the host; a batch already on a GPU only receives ``non_blocking`` copies of per-segment arrays, so packing
 costs no host-device sync.
 """
@@ -105,7 +105,7 @@ def pack_bshd(
         tokens_key=fields.tokens_key,
     )
     if fields.position_ids is not None and fields.position_ids.is_cpu:
-        check_position_ids(fields.position_ids, segments)
+        check_position_ids(fields.position_ids, *segments.arrays[:2])
     return packed
 
 

@@ -210,7 +210,7 @@ def from_packed_batch(
     if on_host:
         _check_pad(packed, padding_mask, loss_mask)
         if position_ids is not None and position_ids.is_cpu:
-            check_position_ids(position_ids, segments)
+            check_position_ids(position_ids, *segments.arrays[:2])
     return packed
 
 

@@ -13,11 +13,11 @@ def get_core_attention(backend: str) -> type:
             (Megatron's `TEDotProductAttention`; needs Transformer Engine).
     """
     if backend == "torch":
-        from thdpack.attention.torch_attention import TorchTHDAttention
+        from thdpack.megatron.attention.torch_attention import TorchTHDAttention
 
         return TorchTHDAttention
     if backend == "te":
-        from thdpack.attention.te import te_core_attention
+        from thdpack.megatron.attention.te import te_core_attention
 
         return te_core_attention()
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {CORE_ATTENTION_BACKENDS}")

@@ -9,13 +9,10 @@ shape, device), never a device tensor's values: they cost no sync. Value checks 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from .segments import Segments
 
 __all__ = [
     "INTEGER_DTYPES",
@@ -208,12 +205,12 @@ def _check_key(
         )
 
 
-def check_position_ids(position_ids: torch.Tensor, segments: Segments) -> None:
-    """Each sample's first token has position id 0 (host ids; an ``N``-sized read: ids that count on across a
-    sample boundary, or start a left-padded row at its column, are caught; the ids after a sample's first are
-    not read, the packed row's restart at every sample and count up by 1)."""
+def check_position_ids(position_ids: torch.Tensor, row: np.ndarray, start: np.ndarray) -> None:
+    """Each sample's first token has position id 0 (host ids; ``row``/``start``: each sample's row and first
+    column, as :attr:`Segments.arrays` gives them). An ``N``-sized read: ids that count on across a sample
+    boundary, or start a left-padded row at its column, are caught; the ids after a sample's first are not read,
+    the packed row's restart at every sample and count up by 1."""
     ids = position_ids.numpy()
-    row, start, _ = segments.arrays
     # One sample per row, each at column 0 (right padding, the common case; two samples of one row cannot both
     # start there): a column view instead of a gather. count_nonzero: a fifth of .any()'s per-call cost here.
     one_per_row = row.size == ids.shape[0] and not np.count_nonzero(start)

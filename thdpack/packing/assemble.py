@@ -45,7 +45,7 @@ def assemble(
 ) -> PackedBatch:
     """The :class:`PackedBatch` that places ``segments`` of the ``[B, S]`` inputs as ``layout`` says.
 
-    Inputs are assumed validated (:mod:`thdpack.validate`), but for their values: on the host path, a negative
+    Inputs are assumed validated (:mod:`thdpack.packing.validate`), but for their values: on the host path, a negative
     token id at a real position raises ``ValueError`` naming ``tokens_key``, the source row and column.
     ``labels_cross_samples``: given labels are shifted over whole rows (Megatron's BSHD convention), so the last
     token of a sample followed by another in its row gets ``ignore_index``; False when they are shifted within

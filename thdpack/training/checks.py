@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
-from .layout import Alignment
+from thdpack.packing.layout import Alignment
 
 __all__ = ["ConfigError", "check_recipe", "micro_batch_tokens"]
 

@@ -18,7 +18,7 @@ The THD kernel, `attend_thd`, is callable on its own. Backends, first that appli
 and a dense masked SDPA that needs no host values (CUDA fallback, O(T^2) memory).
 
 Context parallelism: the local rows are this rank's zigzag shard, as
-`thdpack.context_parallel.cp_partition_indices` gives it (TE's `thd_get_partitioned_indices`). K and V
+`thdpack.packing.context_parallel.cp_partition_indices` gives it (TE's `thd_get_partitioned_indices`). K and V
 are all-gathered across the CP group with autograd, put back in global order, and every local query
 attends by its global position.
 """
@@ -40,8 +40,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from thdpack.context_parallel import cp_partition_indices
 from thdpack.megatron.packed_seq_params import THDPackedSeqParams
+from thdpack.packing.context_parallel import cp_partition_indices
 
 Boundaries = Tensor | Sequence[int]
 BACKENDS = ("auto", "varlen", "flash", "sdpa", "dense")

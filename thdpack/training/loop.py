@@ -1,0 +1,425 @@
+"""``python -m thdpack.train``: train a Megatron-core GPT with thdpack's forward step, from a Hydra recipe.
+
+    python -m thdpack.train                                   # tiny_gpt on the embedded corpus, packed
+    python -m thdpack.train dataset.pack_sequences_in_batch=false   # the padded BSHD baseline
+    torchrun --nproc-per-node 2 -m thdpack.train parallel=tp2 model=tiny_moe
+    python -m thdpack.train --cfg job                         # the resolved recipe;  --help: the groups
+
+The recipes live in the top-level ``recipes/`` (shipped inside the package as ``thdpack/recipes``). CUDA and NCCL
+when a GPU is visible, else CPU and gloo (``thdpack.megatron.cpu``). The run directory (Hydra's, or
+``hydra.run.dir=...``) receives ``metrics.jsonl``, TensorBoard events, ``summary.json`` and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from thdpack.packing.layout import Alignment, plan_layout
+
+from .checks import check_recipe, micro_batch_tokens
+from .flops import FlopsModel
+from .metrics import MetricsWriter, summarize
+from .profiling import profile
+
+log = logging.getLogger("thdpack")
+
+# What megatron-core says at import on a machine without Apex or Transformer Engine (it falls back by design),
+# and torch's renames of the collectives megatron-core calls: noise on every rank, not news.
+for _message in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "The .grad attribute of a Tensor that is not a leaf",
+    "full scope is deprecated",
+):
+    warnings.filterwarnings("ignore", message=_message)
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
+def recipes_dir() -> Path:
+    """The recipes' directory: the top-level ``recipes/`` of a source checkout (editable install), else the copy
+    a wheel installs as ``thdpack/recipes``."""
+    package = Path(str(resources.files("thdpack")))
+    checkout = package.parent / "recipes"
+    return checkout if (checkout / "train.yaml").is_file() else package / "recipes"
+
+
+def run_stamp() -> str:
+    """The run directory's name, the same on every rank of one launch: ``$THDPACK_RUN_STAMP`` if set, else the
+    start time of the process that launched this one (torchrun's agent, shared by its workers), else now."""
+    stamp = os.environ.get("THDPACK_RUN_STAMP")
+    if stamp:
+        return stamp
+    started = time.time()
+    if "LOCAL_RANK" in os.environ:
+        started = _process_start_time(os.getppid()) or started
+    return datetime.fromtimestamp(started).strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _process_start_time(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+OmegaConf.register_new_resolver("thdpack_run_stamp", lambda: run_stamp(), use_cache=True, replace=True)
+
+
+@hydra.main(config_path=str(recipes_dir()), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+@dataclass
+class Run:
+    """Everything a training step needs, built from a recipe by :func:`setup_run`."""
+
+    cfg: DictConfig
+    runtime: Any  # thdpack.megatron.setup.Runtime
+    data: Any  # thdpack.data.TrainData, this data-parallel rank's stream
+    held_out: Any  # the evaluation samples (empty unless trainer.eval_interval)
+    data_kwargs: dict
+    config: Any  # megatron.core TransformerConfig
+    model: Any  # DistributedDataParallel(GPTModel)
+    optimizer: Any
+    scheduler: Any
+    forward_step: Any
+    forward_backward: Any
+    alignment: Alignment
+    flops: FlopsModel
+    logging_rank: bool
+
+
+def setup_run(cfg: DictConfig) -> Run:
+    """Check the recipe, start the process groups, build the data stream, the model, the optimizer and the
+    schedule (``torch.distributed`` from the torchrun environment; one process without it)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from thdpack.data import build_dataset, build_tokenizer, build_train_data
+    from thdpack.data.samples import split_holdout
+    from thdpack.megatron import setup
+    from thdpack.megatron.batch import BatchConfig
+    from thdpack.megatron.step import make_forward_step
+
+    _setup_logging()
+    trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
+    packed = bool(data_cfg.pack_sequences_in_batch)
+    runtime = setup.resolve_runtime(cfg.model, trainer)
+    for warning in check_recipe(
+        cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device, backend=runtime.backend
+    ):
+        log.warning(warning)
+    setup.init_distributed(parallel, int(trainer.seed), runtime)
+    logging_rank = (
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+    if not logging_rank:
+        log.setLevel(logging.WARNING)
+
+    # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
+    tokenizer = build_tokenizer(data_cfg.tokenizer)
+    dataset = build_dataset(
+        data_cfg.name,
+        data_cfg.get("path"),
+        tokenizer,
+        max_files=data_cfg.get("max_files"),
+        synthetic=data_cfg.get("synthetic"),
+    )
+    eval_interval = trainer.get("eval_interval")
+    dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
+    budget = micro_batch_tokens(data_cfg)
+    data_kwargs = dict(
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        seed=int(trainer.seed),
+        tokenizer=tokenizer,
+        micro_batch_tokens=budget,
+        mrope=cfg.model.get("position_embedding_type") == "mrope",
+    )
+    data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
+    log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
+
+    config = setup.transformer_config(cfg.model, parallel, runtime)
+    vocab_size = setup.padded_vocab_size(cfg.model, tokenizer.vocab_size, config.tensor_model_parallel_size)
+    model = setup.build_model(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
+    optimizer, scheduler = setup.build_optimizer(trainer, model, config)
+    batch_config = BatchConfig(
+        pack_sequences_in_batch=packed,
+        mode=data_cfg.get("mode", "auto"),
+        pad_total_to=data_cfg.get("pad_total_to"),
+        pad_token_id=tokenizer.pad_id,
+    )
+    alignment = batch_config.alignment(config)
+    batching = "padded BSHD"
+    if packed:
+        batching = f"packed ({alignment.mode}, " + (
+            f"{budget}-token micro-batches)" if budget else "micro_batch_size samples)"
+        )
+    log.info(
+        "model: %s, %s attention, %s, %s%s | %s | world %d = dp %d x tp %d x pp %d x cp %d (ep %d)",
+        cfg.model.get("name", "gpt"),
+        runtime.backend,
+        runtime.precision,
+        runtime.device,
+        ", fused RoPE" if config.apply_rope_fusion else "",
+        batching,
+        dist.get_world_size(),
+        ps.get_data_parallel_world_size(),
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        config.context_parallel_size,
+        config.expert_model_parallel_size,
+    )
+    return Run(
+        cfg=cfg,
+        runtime=runtime,
+        data=data,
+        held_out=held_out,
+        data_kwargs=data_kwargs,
+        config=config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        forward_step=make_forward_step(batch_config),
+        forward_backward=get_forward_backward_func(),
+        alignment=alignment,
+        flops=FlopsModel.of(config, vocab_size),
+        logging_rank=logging_rank,
+    )
+
+
+def forward_backward(run: Run, batches: list[dict], forward_only: bool = False) -> list[dict]:
+    """Megatron's schedule over ``batches`` (this rank's micro-batches): thdpack's forward step packs each one;
+    gradients are reduced after the last. Returns the loss reports (last pipeline stage; empty elsewhere)."""
+    if not forward_only:
+        run.model.zero_grad_buffer()
+        run.optimizer.zero_grad()
+    return (
+        run.forward_backward(
+            forward_step_func=run.forward_step,
+            data_iterator=iter(batches),
+            model=[run.model],
+            num_microbatches=len(batches),
+            seq_length=int(run.cfg.dataset.seq_length),
+            micro_batch_size=int(run.cfg.dataset.micro_batch_size),
+            forward_only=forward_only,
+        )
+        or []
+    )
+
+
+def train_step(run: Run, batches: list[dict]) -> tuple[list[dict], bool, float]:
+    """One optimizer step over one global batch: ``(loss reports, updated, grad_norm)``. The update is held back
+    when the gradient norm is not finite (see :func:`thdpack.megatron.setup.optimizer_step`)."""
+    from thdpack.megatron.setup import optimizer_step
+
+    losses = forward_backward(run, batches)
+    updated, grad_norm = optimizer_step(run.optimizer)
+    if updated:
+        run.scheduler.step(increment=1)
+    return losses, updated, grad_norm
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Run the recipe ``cfg``; write metrics to ``run_dir`` (rank 0 of the last stage); return the summary."""
+    from megatron.core import parallel_state as ps
+
+    from thdpack.megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from thdpack.megatron.step import reduce_loss_report
+
+    run = setup_run(cfg)
+    trainer, data = cfg.trainer, run.data
+    ckpt_dir = cfg.checkpoint.dir
+    iteration = 0
+    resume_from = latest_iteration(ckpt_dir)
+    if resume_from is not None:
+        state = load_checkpoint(ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler)
+        data.load_state_dict(state["data"])
+        iteration = int(state["iteration"])
+        log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
+
+    def save(at: int) -> None:
+        if ckpt_dir is not None:
+            save_checkpoint(
+                ckpt_dir, at, run.model, run.optimizer, run.scheduler, {"data": data.state_dict()}
+            )
+            log.info("saved checkpoint of iteration %d to %s", at, ckpt_dir)
+
+    train_iters = int(trainer.train_iters)
+    exit_interval, save_interval = trainer.get("exit_interval"), cfg.checkpoint.get("save_interval")
+    eval_interval, profile_step = trainer.get("eval_interval"), trainer.get("profile_step")
+    writer = MetricsWriter(
+        run_dir,
+        enabled=run.logging_rank,
+        total_iters=train_iters,
+        start_iter=iteration,
+        progress_bar=trainer.get("progress_bar", "auto"),
+    )
+    skipped = 0
+    started = time.perf_counter()
+    while iteration < train_iters:
+        step_start = time.perf_counter()
+        batches = data.next_step()
+        profiled = profile_step is not None and iteration + 1 == int(profile_step)
+        with profile(enabled=profiled, device=run.runtime.device) as prof:
+            losses, updated, grad_norm = train_step(run, batches)
+        iteration += 1
+        if not updated:
+            where = _nonfinite_microbatch(losses)
+            message = f"step {iteration}: the gradient norm is {grad_norm}" + (
+                f"; the first non-finite loss is in micro-batch {where} of {len(batches)}" if where else ""
+            )
+            if trainer.on_nonfinite == "error":
+                raise FloatingPointError(
+                    message + " (trainer.on_nonfinite=skip drops such updates and goes on)"
+                )
+            skipped += 1
+            log.warning("%s: update skipped (%d so far)", message, skipped)
+        log_now = iteration % int(trainer.log_interval) == 0 or iteration == train_iters
+        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        loss = float(reduce_loss_report(losses)) if log_now and last_stage else None
+        step_time = time.perf_counter() - step_start
+        if log_now or profiled:
+            record = _step_record(iteration, loss, grad_norm, step_time, run)
+            record |= {"lr": run.optimizer.param_groups[0]["lr"], "skipped": not updated}
+            if profiled:
+                record |= prof.summary(run_dir if run.logging_rank else None)
+            if eval_interval and iteration % int(eval_interval) == 0:
+                record["eval_loss"] = _evaluate(run, int(trainer.eval_iters))
+            writer.log(record)
+        if save_interval and iteration % int(save_interval) == 0:
+            save(iteration)
+        if exit_interval and iteration % int(exit_interval) == 0 and iteration < train_iters:
+            if not (save_interval and iteration % int(save_interval) == 0):
+                save(iteration)
+            log.info("exit_interval: stopping after iteration %d", iteration)
+            break
+    else:
+        if ckpt_dir is not None and not (save_interval and iteration % int(save_interval) == 0):
+            save(iteration)
+    summary = {
+        "iterations": iteration,
+        "wall_time_s": time.perf_counter() - started,
+        "skipped_updates": skipped,
+        "packed": bool(cfg.dataset.pack_sequences_in_batch),
+        "device": run.runtime.device,
+        "precision": run.runtime.precision,
+        "attention_backend": run.runtime.backend,
+        "world_size": dist.get_world_size(),
+        "data": {k: v for k, v in data.state_dict().items() if k != "seed"},
+        **summarize(writer.records),
+    }
+    if run.runtime.device == "cuda":
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    writer.close(summary)
+    if run.logging_rank:
+        log.info("summary: %s", {k: v for k, v in summary.items() if k != "data"})
+    _shutdown()
+    return summary
+
+
+def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
+    """One step's metrics over the whole global batch (every rank's micro-batches, from the loader's plan):
+    real tokens, and the tokens the model computes on (packed rows as thdpack aligns them, or padded rows)."""
+    data, data_cfg, alignment, flops = run.data, run.cfg.dataset, run.alignment, run.flops
+    lengths = [mb for rank in data.step_lengths for mb in rank if mb.size]
+    real = int(sum(int(mb.sum()) for mb in lengths))
+    if data_cfg.pack_sequences_in_batch:
+        processed = sum(plan_layout(torch.from_numpy(mb), alignment).total_tokens for mb in lengths)
+    elif data_cfg.get("pad_to", "seq_length") == "seq_length":
+        processed = sum(mb.size for mb in lengths) * int(data_cfg.seq_length)
+    else:
+        processed = sum(mb.size * int(mb.max()) for mb in lengths)
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0)
+    model_flops = flops.training_flops(all_lengths)  # on real tokens, all ranks together
+    record = {
+        "step": iteration,
+        "grad_norm": grad_norm,
+        "real_tokens": real,
+        "all_tokens": int(processed),
+        "pad_fraction": 1.0 - real / processed if processed else 0.0,
+        "step_time_s": step_time,
+        "real_tokens_per_s": real / step_time,
+        "all_tokens_per_s": processed / step_time,
+        "model_flops": model_flops,
+        "tflops": model_flops / step_time / dist.get_world_size() / 1e12,
+        "num_microbatches": data.num_microbatches_last,
+        "samples": int(all_lengths.size),
+    }
+    if loss is not None:
+        record["loss"] = loss
+    return record
+
+
+def _nonfinite_microbatch(losses) -> int | None:
+    """1-based index of the first micro-batch whose summed loss is not finite (last pipeline stage only)."""
+    for i, report in enumerate(losses or [], start=1):
+        if not math.isfinite(float(report["lm loss"][0])):
+            return i
+    return None
+
+
+def _evaluate(run: Run, iters: int) -> float | None:
+    """Mean per-token loss on the first ``iters`` global batches of the held-out samples (the same every time)."""
+    from megatron.core import parallel_state as ps
+
+    from thdpack.data import build_train_data
+    from thdpack.megatron.step import reduce_loss_report
+
+    data = build_train_data(run.cfg.dataset, dataset=run.held_out, shuffle=False, **run.data_kwargs)
+    run.model.eval()
+    reports = [
+        report for _ in range(iters) for report in forward_backward(run, data.next_step(), forward_only=True)
+    ]
+    run.model.train()
+    return float(reduce_loss_report(reports)) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            format="[%(asctime)s thdpack] %(message)s",
+            datefmt="%H:%M:%S",
+            stream=sys.stdout,
+        )
+    log.setLevel(logging.INFO)
+    for noisy in ("megatron", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
