@@ -52,7 +52,7 @@ def _run(model: str, extra: list[str]):
     ids=["dense_budget", "dense_samples", "mrope"],
 )
 def test_packed_step_makes_no_sync_in_steady_state(model, extra):
-    from thdpack.megatron.setup import optimizer_step
+    from thdpack.megatron.optimizer import optimizer_step
     from thdpack.training.loop import _shutdown, forward_backward, train_step
     from thdpack.training.profiling import catch_syncs
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from thdpack.megatron.setup import Runtime, padded_vocab_size, transformer_config
+from thdpack.megatron.config import padded_vocab_size, transformer_config
+from thdpack.megatron.runtime import Runtime
 from thdpack.training.checks import check_recipe
 from thdpack.training.flops import FlopsModel
 from thdpack.training.loop import recipes_dir
@@ -68,9 +69,9 @@ def test_unknown_transformer_config_key_is_named():
 
 
 def test_runtime_defaults_follow_the_device():
-    from thdpack.megatron.setup import resolve_runtime
+    from thdpack.megatron.runtime import resolve_runtime
 
     cfg = _compose()
-    runtime = resolve_runtime(cfg.model, cfg.trainer)
+    runtime = resolve_runtime(cfg.trainer.precision, cfg.model.attention_backend)
     expected = ("cuda", "bf16", "te") if torch.cuda.is_available() else ("cpu", "fp32", "torch")
     assert (runtime.device, runtime.precision, runtime.backend) == expected

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
+from thdpack.megatron.batch import allgather_dispatch_rule
+from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
 from thdpack.packing.layout import Alignment
 
 __all__ = ["ConfigError", "check_recipe", "micro_batch_tokens"]
@@ -39,6 +41,15 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
     cp, ep = int(parallel["context_parallel_size"]), int(parallel["expert_model_parallel_size"])
     packed = bool(dataset["pack_sequences_in_batch"])
     warnings: list[str] = []
+
+    try:
+        family = get_family(model.get("family", "gpt"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    known = COMMON_MODEL_KEYS + family.model_keys
+    unknown = sorted(set(model) - set(known))
+    if unknown:
+        raise ConfigError(f"model has unknown keys {unknown}: the '{family.name}' family reads {list(known)}")
 
     if world_size % (tp * pp * cp):
         raise ConfigError(
@@ -114,11 +125,13 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
                 f"dataset.micro_batch_tokens={budget} is below the alignment of one sample under "
                 f"parallel.context_parallel_size={cp} ({alignment.sample_multiple} tokens)"
             )
-        if ep > 1 and config.get("moe_token_dispatcher_type", "allgather") == "allgather" and bucket is None:
+        rule = allgather_dispatch_rule(
+            True, experts, ep, config.get("moe_token_dispatcher_type", "allgather"), bucket
+        )
+        if rule:
             raise ConfigError(
-                "model.config.moe_token_dispatcher_type=allgather all-gathers equal-sized token tensors over the "
-                "expert-parallel group, but packed rows differ in length from rank to rank: set "
-                "dataset.pad_total_to (a fixed token bucket) or model.config.moe_token_dispatcher_type=alltoall"
+                f"model.config.{rule}: set dataset.pad_total_to (a fixed token bucket) or "
+                "model.config.moe_token_dispatcher_type=alltoall"
             )
 
     if backend == "te":
