@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .assemble import assemble
+from .labels import IGNORE_INDEX
 from .layout import Alignment, cumsum0, layout_of
 from .packed_batch import PackedBatch, to_device
 from .segments import Segments, segments_of
@@ -28,7 +29,7 @@ def pack_bshd(
     alignment: Alignment = Alignment(),  # noqa: B008 - frozen dataclass, safe as a default
     segments: Segments | None = None,
     pad_token_id: int = 0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> PackedBatch:
     """Pack a padded BSHD batch into one THD row.
 
