@@ -40,6 +40,8 @@ def collate(
         ``i + 1`` is a real token and a target (``target_mask[i + 1]``), else ``IGNORE_INDEX``;
         ``loss_mask`` float32 ``[B, S]``, 1 where the label is a target (:func:`thdpack.packing.labels.no_target`);
         ``attention_mask`` int64 ``[B, S]``, 1 on real tokens (a prefix of each row), 0 on pad;
+        ``seq_lengths`` int64 ``[B]``, the real tokens of each row (what the packer takes instead of decoding
+        the mask);
         with ``mrope``: ``mrope_position_ids`` int64 ``[3, B, S]``, text-only ids: every axis is the position
         within the sample (pad continues counting), i.e. ``0 .. S - 1`` on every row.
     """
@@ -74,6 +76,7 @@ def collate(
         "labels": torch.from_numpy(labels),
         "loss_mask": torch.from_numpy((~no_target(labels)).astype(np.float32)),
         "attention_mask": torch.from_numpy((np.arange(S) < lengths[:, None]).astype(np.int64)),
+        "seq_lengths": torch.from_numpy(lengths),
     }
     if mrope:
         batch["mrope_position_ids"] = torch.arange(S, dtype=torch.int64).expand(3, B, S).contiguous()

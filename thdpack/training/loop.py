@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from thdpack.packing.layout import plan_layout
-
 from .checks import check_recipe
 from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
@@ -379,7 +377,7 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
     lengths = [mb for rank in data.step_lengths for mb in rank if mb.size]
     real = int(sum(int(mb.sum()) for mb in lengths))
     if data_cfg.pack_sequences_in_batch:
-        processed = sum(plan_layout(torch.from_numpy(mb), alignment).total_tokens for mb in lengths)
+        processed = sum(alignment.total_tokens(mb) for mb in lengths)
     elif data_cfg.get("pad_to", "seq_length") == "seq_length":
         processed = sum(mb.size for mb in lengths) * int(data_cfg.seq_length)
     else:
