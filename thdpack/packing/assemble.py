@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import paths
 from .labels import no_target
 from .layout import PackLayout, cumsum0
 from .packed_batch import PackedBatch, to_device
@@ -56,7 +57,7 @@ def assemble(
     table = _segment_table(
         segments, layout, S, derive_labels=labels is None, labels_cross_samples=labels_cross_samples
     )
-    if tokens.is_cpu:
+    if paths.numpy_path(tokens):
         plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
     else:
         plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)

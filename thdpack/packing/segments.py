@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import paths
 from .validate import check_segment_inputs
 
 __all__ = ["Segments", "find_segments"]
@@ -255,7 +256,7 @@ def _row_runs(
     decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
     and on holes.
     """
-    row_stats = _row_stats_host if mask.is_cpu else _row_stats_device
+    row_stats = _row_stats_host if paths.numpy_path(mask) else _row_stats_device
     first, length, holes, restarts, negative, above_one, fractional = row_stats(mask, position_ids)
     if negative or fractional:
         _check_integral_nonnegative("attention_mask", _host(mask))
