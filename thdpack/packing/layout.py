@@ -227,7 +227,7 @@ def _layout(
     # boundaries").
     cu = cu_padded if attn is None else cumsum0(attn, np.int32)
     padded_t, cu_padded_t = torch.from_numpy(padded), torch.from_numpy(cu_padded)
-    layout = PackLayout(
+    return PackLayout(
         lengths=lengths,
         padded_lengths=padded_t,
         attn_lengths=padded_t if attn is None else torch.from_numpy(attn),
@@ -237,8 +237,6 @@ def _layout(
         total_tokens=total,
         num_real_tokens=num_real,
     )
-    layout.__dict__["arrays"] = (padded, cu_padded, cu)  # known: the cached property need not convert
-    return layout
 
 
 def cumsum0(x, dtype=None):

@@ -238,12 +238,8 @@ def check_position_ids(position_ids: torch.Tensor, row: np.ndarray, start: np.nd
     column, as :attr:`Segments.arrays` gives them). An ``N``-sized read: ids that count on across a sample
     boundary, or start a left-padded row at its column, are caught; the ids after a sample's first are not read,
     the packed row's restart at every sample and count up by 1."""
-    ids = position_ids.numpy()
-    # One sample per row, each at column 0 (right padding, the common case; two samples of one row cannot both
-    # start there): a column view instead of a gather. count_nonzero: a fifth of .any()'s per-call cost here.
-    one_per_row = row.size == ids.shape[0] and not np.count_nonzero(start)
-    first = ids[:, 0] if one_per_row else ids[row, start]
-    if np.count_nonzero(first):
+    first = position_ids.numpy()[row, start]
+    if first.any():
         i = int(np.argmax(first != 0))
         raise ValueError(
             f"row {int(row[i])} of position_ids has {int(first[i])} at column {int(start[i])}, where sample {i} "
