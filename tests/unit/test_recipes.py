@@ -12,6 +12,7 @@ from thdpack.megatron.runtime import Runtime
 from thdpack.training.checks import check_recipe
 from thdpack.training.flops import FlopsModel
 from thdpack.training.loop import recipes_dir
+from thdpack.training.recipe import resolve_recipe
 
 MODELS = sorted(p.stem for p in (recipes_dir() / "model").glob("*.yaml"))
 
@@ -59,7 +60,7 @@ def test_llama3_1b_flops_model_counts_its_gemm_parameters():
 
 
 def test_default_recipe_passes_the_start_up_checks_on_one_cpu_process():
-    assert check_recipe(_compose(), world_size=1, device="cpu", backend="torch") == []
+    assert check_recipe(resolve_recipe(_compose(), "cpu"), world_size=1, device="cpu") == []
 
 
 def test_unknown_transformer_config_key_is_named():

@@ -279,6 +279,8 @@ def _bshd_inputs(batch: Mapping[str, torch.Tensor], first: bool, last: bool, dev
                 "pack_sequences_in_batch=True)"
             )
     real = mask.bool() if mask is not None else torch.ones(B, S, dtype=torch.bool)
+    if fields.seq_lengths is not None:  # the loader's lengths, as pack_bshd takes them
+        real = torch.arange(S) < fields.seq_lengths[:, None]
     labels = fields.labels
     if labels is None:
         labels = torch.full_like(tokens, config.ignore_index)

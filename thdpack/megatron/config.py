@@ -40,7 +40,8 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     tp, pp = int(parallel["tensor_model_parallel_size"]), int(parallel["pipeline_model_parallel_size"])
     sequence_parallel = bool(parallel.get("sequence_parallel", False)) and tp > 1
     if pp > 1 and not kwargs.get("num_moe_experts"):
-        # megatron-core 0.16 accepts variable_seq_lengths only with this dispatcher, experts or not
+        # megatron-core 0.16.1 accepts variable_seq_lengths only with this dispatcher, experts or not
+        # (TransformerConfig.__post_init__ raises for allgather, transformer_config.py:1827)
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     on_cpu = runtime.device == "cpu"
     gated = bool(kwargs.get("gated_linear_unit", False))

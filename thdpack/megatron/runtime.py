@@ -31,11 +31,13 @@ class Runtime:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
 
-def resolve_runtime(precision: str = "auto", backend: str = "auto") -> Runtime:
-    """``auto`` settings made concrete: CUDA when a GPU is visible, bf16 and TE there; CPU, fp32, torch else.
+def resolve_runtime(precision: str = "auto", backend: str = "auto", device: str | None = None) -> Runtime:
+    """``auto`` settings made concrete: bf16 and TE on CUDA; fp32 and torch on CPU.
 
-    ``precision`` is the recipe's ``trainer.precision``, ``backend`` its ``model.attention_backend``."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ``precision`` is the recipe's ``trainer.precision``, ``backend`` its ``model.attention_backend``; ``device``
+    defaults to CUDA when a GPU is visible, else CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"
     if precision not in PRECISIONS:

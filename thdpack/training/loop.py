@@ -30,12 +30,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from thdpack.packing.layout import plan_layout
-
-from .checks import check_recipe, micro_batch_tokens
+from .checks import check_recipe
 from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
 from .profiling import profile
+from .recipe import resolve_recipe
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -107,7 +106,7 @@ def main(cfg: DictConfig) -> None:
 class Run:
     """Everything a training step needs, built from a recipe by :func:`setup_run`."""
 
-    cfg: DictConfig
+    cfg: DictConfig  # the resolved recipe (thdpack.training.recipe.resolve_recipe)
     runtime: Runtime
     data: TrainData  # this data-parallel rank's stream
     held_out: SampleDataset  # the evaluation samples (empty unless trainer.eval_interval)
@@ -124,8 +123,8 @@ class Run:
 
 
 def setup_run(cfg: DictConfig) -> Run:
-    """Check the recipe, start the process groups, build the data stream, the model, the optimizer and the
-    schedule (``torch.distributed`` from the torchrun environment; one process without it)."""
+    """Resolve and check the recipe, start the process groups, build the data stream, the model, the optimizer
+    and the schedule (``torch.distributed`` from the torchrun environment; one process without it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -141,14 +140,13 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.step import StepConfig, make_forward_step
 
     _setup_logging()
+    cfg = resolve_recipe(cfg)
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
     packed = bool(data_cfg.pack_sequences_in_batch)
-    runtime = resolve_runtime(trainer.get("precision", "auto"), cfg.model.get("attention_backend", "auto"))
-    for warning in check_recipe(
-        cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device, backend=runtime.backend
-    ):
+    runtime = resolve_runtime(trainer.precision, cfg.model.attention_backend)
+    for warning in check_recipe(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device):
         log.warning(warning)
-    family = get_family(cfg.model.get("family", "gpt"))
+    family = get_family(cfg.model.family)
     init_distributed(
         runtime,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -176,14 +174,12 @@ def setup_run(cfg: DictConfig) -> Run:
     )
     eval_interval = trainer.get("eval_interval")
     dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
-    budget = micro_batch_tokens(data_cfg)
+    budget = data_cfg.micro_batch_tokens
     data_kwargs = dict(
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         seed=int(trainer.seed),
         tokenizer=tokenizer,
-        micro_batch_tokens=budget,
-        mrope=cfg.model.get("position_embedding_type") == "mrope",
     )
     data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
@@ -283,6 +279,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from thdpack.megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
 
     run = setup_run(cfg)
+    cfg = run.cfg
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
     iteration = 0
@@ -380,7 +377,7 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
     lengths = [mb for rank in data.step_lengths for mb in rank if mb.size]
     real = int(sum(int(mb.sum()) for mb in lengths))
     if data_cfg.pack_sequences_in_batch:
-        processed = sum(plan_layout(torch.from_numpy(mb), alignment).total_tokens for mb in lengths)
+        processed = sum(alignment.total_tokens(mb) for mb in lengths)
     elif data_cfg.get("pad_to", "seq_length") == "seq_length":
         processed = sum(mb.size for mb in lengths) * int(data_cfg.seq_length)
     else:
