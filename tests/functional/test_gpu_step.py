@@ -59,9 +59,9 @@ def _iteration(run, scalars, step: int) -> list:
         ("tiny_gpt", []),
         ("tiny_gpt", ["dataset.micro_batch_tokens=null"]),
         ("tiny_mrope", []),
-        ("tiny_gpt", ["model.output_loss=chunked"]),
+        ("tiny_gpt", ["model.output_loss=megatron"]),
     ],
-    ids=["dense_budget", "dense_samples", "mrope", "chunked_output_loss"],
+    ids=["dense_budget", "dense_samples", "mrope", "megatron_output_loss"],
 )
 def test_whole_training_steps_make_no_sync_in_steady_state(model, extra):
     from thdpack.training.deferred import DeferredScalars

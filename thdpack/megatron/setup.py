@@ -29,6 +29,7 @@ MODEL_KEYS = (
     "vocab_size",
     "share_embeddings_and_output_weights",
     "attention_mask_type",
+    "output_loss",
     "config",
 )
 
@@ -185,6 +186,7 @@ def build_model(model: Mapping, config, vocab_size: int, max_sequence_length: in
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from .models import build_gpt_model
+    from .output_loss import resolve_output_loss, use_output_loss
 
     module = build_gpt_model(
         config,
@@ -195,6 +197,7 @@ def build_model(model: Mapping, config, vocab_size: int, max_sequence_length: in
         rotary_base=int(model.get("rotary_base", 10000)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
     )
+    use_output_loss(module, resolve_output_loss(model, runtime.device))
     if runtime.device == "cuda":
         module.cuda(torch.cuda.current_device())
     if runtime.precision == "bf16":

@@ -26,6 +26,7 @@ def forward_step(data_iterator, model, config: BatchConfig = BatchConfig()):  # 
         inputs.position_ids,
         inputs.attention_mask,
         labels=inputs.labels,
+        loss_mask=inputs.loss_mask,  # the fused output loss's per-token weights (thdpack.megatron.output_loss)
         packed_seq_params=inputs.packed_seq_params,
         padding_mask=inputs.padding_mask,
     )

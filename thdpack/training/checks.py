@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
+from thdpack.megatron.output_loss import check_output_loss
 from thdpack.packing.layout import Alignment
 
 __all__ = ["ConfigError", "check_recipe", "micro_batch_tokens"]
@@ -121,6 +122,10 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
                 "dataset.pad_total_to (a fixed token bucket) or model.config.moe_token_dispatcher_type=alltoall"
             )
 
+    try:
+        check_output_loss(model, parallel, device)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if backend == "te":
         if device != "cuda":
             raise ConfigError(
