@@ -1,10 +1,12 @@
-"""GPU: the recipe's training step in steady state makes no host-device sync on the packed path.
+"""GPU: whole training steps make no host-device sync in steady state.
 
-The step is thdpack's forward step under Megatron's schedule (pack, CP shard, copies, forward, backward, the
-gradient reduction and the per-token division, ``thdpack.megatron.optimizer.finalize_grads_per_token``) followed by
-Megatron's optimizer step. The first part runs under ``torch.cuda.set_sync_debug_mode("error")``: any sync
-raises. Megatron's optimizer step reads the global gradient norm back to the host for clipping
-(``get_grad_norm``): that one sync per step is Megatron's and is counted here, so that a new one cannot slip in.
+A step is what the training loop runs per iteration: the loader's next global batch, thdpack's forward step under
+Megatron's schedule (pack, CP shard, copies, forward, backward, the gradient reduction and the per-token division),
+the optimizer step (:class:`thdpack.megatron.device_step.OptimizerStep`: gradient norm, clipping and the
+non-finite skip on the device), the schedule, and the step's scalars handed to
+:class:`thdpack.training.deferred.DeferredScalars`, whose values of the previous step are then read. Three such
+steps run under ``torch.cuda.set_sync_debug_mode("error")``: any sync raises. (The sync debug mode does not see
+``Event.synchronize``: the deferred read waits on the event of a step whose successor is already queued.)
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ pytestmark = [
         importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
     ),
 ]
-
-# Megatron's optimizer step: the gradient norm read back for clipping (megatron.core.optimizer.clip_grads).
-OPTIMIZER_SYNCS = 1
 
 
 def _run(model: str, extra: list[str]):
@@ -46,33 +45,44 @@ def _run(model: str, extra: list[str]):
         return setup_run(compose("train", overrides=overrides))
 
 
+def _iteration(run, scalars, step: int) -> list:
+    from thdpack.training.loop import step_scalars, train_step
+
+    losses, outcome = train_step(run, run.data.next_step())
+    scalars.push(step, step_scalars(losses, outcome, True, run.step.loss))
+    return list(scalars.ready())
+
+
 @pytest.mark.parametrize(
     ("model", "extra"),
-    [("tiny_gpt", []), ("tiny_gpt", ["dataset.micro_batch_tokens=null"]), ("tiny_mrope", [])],
-    ids=["dense_budget", "dense_samples", "mrope"],
+    [
+        ("tiny_gpt", []),
+        ("tiny_gpt", ["dataset.micro_batch_tokens=null"]),
+        ("tiny_mrope", []),
+        ("tiny_gpt", ["model.output_loss=megatron"]),
+    ],
+    ids=["dense_budget", "dense_samples", "mrope", "megatron_output_loss"],
 )
-def test_packed_step_makes_no_sync_in_steady_state(model, extra):
-    from thdpack.megatron.optimizer import optimizer_step
-    from thdpack.training.loop import _shutdown, forward_backward, train_step
-    from thdpack.training.profiling import catch_syncs
+def test_whole_training_steps_make_no_sync_in_steady_state(model, extra):
+    from thdpack.training.deferred import DeferredScalars
+    from thdpack.training.loop import STEP_SCALARS, _shutdown
 
     run = _run(model, extra)
     try:
-        for _ in range(3):  # warm-up: plan caches, allocator, cuDNN/TE autotuning
-            train_step(run, run.data.next_step())
-        for _ in range(2):
-            batches = run.data.next_step()
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                losses = forward_backward(run, batches)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            with catch_syncs() as sites:
-                updated, _ = optimizer_step(run.optimizer)
-            assert updated
-            assert len(sites) == OPTIMIZER_SYNCS, sites
-            run.scheduler.step(increment=1)
-            assert losses and all(torch.isfinite(r["lm loss"]).all() for r in losses)
+        assert run.optimizer_step.gated, run.optimizer_step.host_read_reason
+        scalars = DeferredScalars("cuda")
+        for step in range(1, 4):  # warm-up: plan caches, allocator, cuDNN/TE autotuning, optimizer state
+            _iteration(run, scalars, step)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            settled = [entry for step in range(4, 7) for entry in _iteration(run, scalars, step)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        settled += list(scalars.drain())
+        assert [step for step, _, _ in settled] == [3, 4, 5, 6]
+        for _, values, _ in settled:
+            record = dict(zip(STEP_SCALARS, values, strict=True))
+            assert record["skipped"] == 0.0 and record["grad_norm"] > 0 and 0 < record["loss"] < 20
     finally:
         _shutdown()

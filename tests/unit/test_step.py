@@ -75,8 +75,8 @@ def test_a_custom_loss_reports_under_its_own_key():
 
 def test_first_nonfinite_names_the_micro_batch_from_one():
     finite, bad = torch.tensor([1.0, 2.0]), torch.tensor([float("nan"), 2.0])
-    assert LM_LOSS.first_nonfinite([{"lm loss": finite}, {"lm loss": bad}]) == 2
-    assert LM_LOSS.first_nonfinite([{"lm loss": finite}]) is None
+    assert LM_LOSS.first_nonfinite([{"lm loss": finite}, {"lm loss": bad}, {"lm loss": bad}]).item() == 2
+    assert LM_LOSS.first_nonfinite([{"lm loss": finite}]).item() == 0
 
 
 @pytest.mark.parametrize("name", ["nope", "thdpack.megatron.families:COMMON_MODEL_KEYS"])

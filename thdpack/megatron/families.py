@@ -69,6 +69,7 @@ def gpt_forward(model, inputs: ModelInputs):
         inputs.position_ids,
         inputs.attention_mask,
         labels=inputs.labels,
+        loss_mask=inputs.loss_mask,  # the fused output loss's per-token weights (thdpack.megatron.output_loss)
         packed_seq_params=inputs.packed_seq_params,
         padding_mask=inputs.padding_mask,
     )
@@ -76,8 +77,9 @@ def gpt_forward(model, inputs: ModelInputs):
 
 def _build_gpt(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime: Runtime):
     from .models import build_gpt_model
+    from .output_loss import resolve_output_loss, use_output_loss
 
-    return build_gpt_model(
+    module = build_gpt_model(
         config,
         vocab_size,
         max_sequence_length,
@@ -86,13 +88,20 @@ def _build_gpt(model: Mapping, config, vocab_size: int, max_sequence_length: int
         rotary_base=int(model.get("rotary_base", 10000)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
     )
+    use_output_loss(module, resolve_output_loss(model, runtime.device))
+    return module
 
 
 GPT = ModelFamily(
     name="gpt",
     build=_build_gpt,
     forward=gpt_forward,
-    model_keys=("position_embedding_type", "rotary_base", "share_embeddings_and_output_weights"),
+    model_keys=(
+        "position_embedding_type",
+        "rotary_base",
+        "share_embeddings_and_output_weights",
+        "output_loss",
+    ),
 )
 
 FAMILIES: dict[str, ModelFamily | str] = {"gpt": GPT}

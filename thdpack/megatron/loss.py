@@ -59,13 +59,11 @@ class TokenLoss:
         torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         return total[0] / total[1].clamp(min=1)
 
-    def first_nonfinite(self, reports: list[dict[str, torch.Tensor]]) -> int | None:
-        """1-based index of the first micro-batch whose summed loss is not finite (a host read per report: for
-        the error path)."""
-        for i, report in enumerate(reports, start=1):
-            if not torch.isfinite(report[self.key][0]).item():
-                return i
-        return None
+    def first_nonfinite(self, reports: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """1-based index of the first micro-batch whose summed loss is not finite, 0 when every one is finite: a
+        0-dim device tensor (read by the host a step later, with the step's other scalars)."""
+        bad = ~torch.isfinite(torch.stack([report[self.key][0] for report in reports]))
+        return torch.where(bad.any(), bad.int().argmax() + 1, 0)
 
 
 LM_LOSS = TokenLoss()

@@ -4,13 +4,12 @@ with the update held back on a non-finite gradient norm."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_optimizer", "finalize_grads_per_token", "optimizer_step"]
+__all__ = ["build_optimizer", "finalize_grads_per_token"]
 
 
 def build_optimizer(trainer: Mapping, model, config):
@@ -78,28 +77,3 @@ def finalize_grads_per_token(model, num_tokens=None, **kwargs) -> None:
     scale = 1.0 / num_tokens.clamp(min=1).to(torch.float32)
     for chunk in model:
         chunk.scale_gradients(scale)
-
-
-@torch.no_grad()
-def optimizer_step(optimizer) -> tuple[bool, float]:
-    """Megatron's optimizer step with the update held back when the global gradient norm is not finite.
-
-    Returns ``(updated, grad_norm)``. The norm is the one Megatron computes for clipping (one all-reduce and one
-    host read per step, as in ``optimizer.step()``); a non-finite norm leaves every parameter as it was, so the
-    caller can stop or skip the step. megatron-core 0.16.1's ``MixedPrecisionOptimizer.step`` and
-    ``FP32Optimizer.step`` (``megatron/core/optimizer/optimizer.py``) skip only on the fp16 loss scaler's
-    ``found_inf`` and otherwise clip and step whatever the norm; this is their ``prepare_grads`` /
-    ``get_grad_norm`` / ``clip_grad_by_total_norm_fp32`` / ``step_with_ready_grads`` sequence with the norm
-    tested in between.
-    """
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-    found_inf = optimizer.prepare_grads()
-    grad_norm = float(optimizer.get_grad_norm())
-    if found_inf or not math.isfinite(grad_norm):
-        return False, grad_norm
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        params = sub.get_parameters()
-        if sub.config.clip_grad > 0.0 and params:
-            clip_grad_by_total_norm_fp32(params, max_norm=sub.config.clip_grad, total_norm=grad_norm)
-    return bool(optimizer.step_with_ready_grads()), grad_norm

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
 from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
+from thdpack.megatron.output_loss import check_output_loss
 
 __all__ = ["ConfigError", "check_recipe"]
 
@@ -132,6 +133,10 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str) -> list[str]:
                 "model.config.moe_token_dispatcher_type=alltoall"
             )
 
+    try:
+        check_output_loss(model, parallel, device)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if backend == "te":
         if device != "cuda":
             raise ConfigError(

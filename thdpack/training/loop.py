@@ -31,6 +31,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_recipe
+from .deferred import DeferredScalars
 from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
 from .profiling import profile
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
     from thdpack.data import TrainData
     from thdpack.data.samples import SampleDataset
+    from thdpack.megatron.device_step import OptimizerStep
+    from thdpack.megatron.loss import TokenLoss
     from thdpack.megatron.runtime import Runtime
     from thdpack.megatron.step import StepConfig
 
@@ -115,6 +118,7 @@ class Run:
     model: DistributedDataParallel  # the model family's module, wrapped (thdpack.megatron.distributed)
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
+    optimizer_step: OptimizerStep  # gradient norm, clipping and the non-finite skip on the device
     step: StepConfig  # the batch (packing, alignment, hook), the model family, the loss
     forward_step: Callable
     forward_backward: Callable
@@ -132,6 +136,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.data.samples import split_holdout
     from thdpack.megatron.batch import BatchConfig, model_alignment
     from thdpack.megatron.config import padded_vocab_size, transformer_config
+    from thdpack.megatron.device_step import OptimizerStep
     from thdpack.megatron.distributed import wrap_model
     from thdpack.megatron.families import get_family
     from thdpack.megatron.loss import LM_LOSS
@@ -189,6 +194,9 @@ def setup_run(cfg: DictConfig) -> Run:
     module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
     model = wrap_model(module, config, runtime)
     optimizer, scheduler = build_optimizer(trainer, model, config)
+    optimizer_step = OptimizerStep(optimizer, runtime.device)
+    if runtime.device == "cuda" and optimizer_step.host_read_reason:
+        log.warning("the optimizer step reads the host once a step: %s", optimizer_step.host_read_reason)
     alignment = model_alignment(config, data_cfg.get("mode", "auto"), data_cfg.get("pad_total_to"))
     step = StepConfig(
         batch=BatchConfig(
@@ -233,6 +241,7 @@ def setup_run(cfg: DictConfig) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         step=step,
+        optimizer_step=optimizer_step,
         forward_step=make_forward_step(step.batch, family=step.family, loss=step.loss),
         forward_backward=get_forward_backward_func(),
         flops=FlopsModel.of(config, vocab_size),
@@ -260,16 +269,33 @@ def forward_backward(run: Run, batches: list[dict], forward_only: bool = False) 
     )
 
 
-def train_step(run: Run, batches: list[dict]) -> tuple[list[dict], bool, float]:
-    """One optimizer step over one global batch: ``(loss reports, updated, grad_norm)``. The update is held back
-    when the gradient norm is not finite (see :func:`thdpack.megatron.optimizer.optimizer_step`)."""
-    from thdpack.megatron.optimizer import optimizer_step
-
+def train_step(run: Run, batches: list[dict]):
+    """One optimizer step over one global batch: ``(loss reports, StepOutcome)``, nothing read back to the host
+    on CUDA (:class:`thdpack.megatron.device_step.OptimizerStep`). The update is held back on the device when
+    the gradient norm is not finite. The learning-rate schedule advances here; :func:`_settle` takes a held-back
+    step off it once the host learns of it."""
     losses = forward_backward(run, batches)
-    updated, grad_norm = optimizer_step(run.optimizer)
-    if updated:
-        run.scheduler.step(increment=1)
-    return losses, updated, grad_norm
+    outcome = run.optimizer_step.step()
+    run.scheduler.step(increment=1)
+    return losses, outcome
+
+
+# What DeferredScalars carries for each step, in this order.
+STEP_SCALARS = ("grad_norm", "skipped", "loss", "nonfinite_microbatch")
+
+
+def step_scalars(losses: list[dict], outcome, with_loss: bool, loss_fn: TokenLoss) -> torch.Tensor:
+    """A step's :data:`STEP_SCALARS` as one device tensor: the mean per-token loss over the DP x CP group when
+    ``with_loss`` (NaN else; last pipeline stage), and the 1-based index of the first micro-batch whose summed
+    loss is not finite (0: none), both from ``loss_fn``'s reports."""
+    device = outcome.grad_norm.device
+    loss = torch.full((), float("nan"), device=device)
+    first_bad = torch.zeros((), device=device)
+    if losses:
+        if with_loss:
+            loss = loss_fn.reduce(losses).float()
+        first_bad = loss_fn.first_nonfinite(losses).float()
+    return torch.stack([outcome.grad_norm.float(), outcome.skipped.float(), loss, first_bad])
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -308,45 +334,49 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         progress_bar=trainer.get("progress_bar", "auto"),
     )
     skipped = 0
+    scalars = DeferredScalars(run.runtime.device)
+
+    def settle(entries) -> None:
+        nonlocal skipped
+        for entry in entries:
+            skipped += _settle(run, writer, *entry)
+
     started = time.perf_counter()
     while iteration < train_iters:
         step_start = time.perf_counter()
         batches = data.next_step()
         profiled = profile_step is not None and iteration + 1 == int(profile_step)
         with profile(enabled=profiled, device=run.runtime.device) as prof:
-            losses, updated, grad_norm = train_step(run, batches)
+            losses, outcome = train_step(run, batches)
         iteration += 1
-        if not updated:
-            where = run.step.loss.first_nonfinite(losses)
-            message = f"step {iteration}: the gradient norm is {grad_norm}" + (
-                f"; the first non-finite loss is in micro-batch {where} of {len(batches)}" if where else ""
-            )
-            if trainer.on_nonfinite == "error":
-                raise FloatingPointError(
-                    message + " (trainer.on_nonfinite=skip drops such updates and goes on)"
-                )
-            skipped += 1
-            log.warning("%s: update skipped (%d so far)", message, skipped)
         log_now = iteration % int(trainer.log_interval) == 0 or iteration == train_iters
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        loss = float(run.step.loss.reduce(losses)) if log_now and last_stage else None
-        step_time = time.perf_counter() - step_start
+        values = step_scalars(losses, outcome, log_now and last_stage, run.step.loss)
+        info = {"batches": len(batches), "has_loss": log_now and last_stage}
         if log_now or profiled:
-            record = _step_record(iteration, loss, grad_norm, step_time, run)
-            record |= {"lr": run.optimizer.param_groups[0]["lr"], "skipped": not updated}
+            # what the host knows now (the step's data, its time, the schedule); the device values join later
+            record = _step_record(iteration, time.perf_counter() - step_start, run)
+            record["lr"] = run.optimizer.param_groups[0]["lr"]
             if profiled:
                 record |= prof.summary(run_dir if run.logging_rank else None)
             if eval_interval and iteration % int(eval_interval) == 0:
                 record["eval_loss"] = _evaluate(run, int(trainer.eval_iters))
-            writer.log(record)
-        if save_interval and iteration % int(save_interval) == 0:
+            info["record"] = record
+        scalars.push(iteration, values, info)
+        settle(scalars.ready())
+        saving = save_interval and iteration % int(save_interval) == 0
+        exiting = exit_interval and iteration % int(exit_interval) == 0 and iteration < train_iters
+        if saving or exiting:
+            settle(scalars.drain())
+        if saving:
             save(iteration)
-        if exit_interval and iteration % int(exit_interval) == 0 and iteration < train_iters:
-            if not (save_interval and iteration % int(save_interval) == 0):
+        if exiting:
+            if not saving:
                 save(iteration)
             log.info("exit_interval: stopping after iteration %d", iteration)
             break
     else:
+        settle(scalars.drain())
         if ckpt_dir is not None and not (save_interval and iteration % int(save_interval) == 0):
             save(iteration)
     summary = {
@@ -370,7 +400,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
+def _step_record(iteration, step_time, run: Run) -> dict:
     """One step's metrics over the whole global batch (every rank's micro-batches, from the loader's plan):
     real tokens, and the tokens the model computes on (packed rows as thdpack aligns them, or padded rows)."""
     data, data_cfg, alignment, flops = run.data, run.cfg.dataset, run.step.batch.alignment, run.flops
@@ -384,9 +414,8 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
         processed = sum(mb.size * int(mb.max()) for mb in lengths)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0)
     model_flops = flops.training_flops(all_lengths)  # on real tokens, all ranks together
-    record = {
+    return {
         "step": iteration,
-        "grad_norm": grad_norm,
         "real_tokens": real,
         "all_tokens": int(processed),
         "pad_fraction": 1.0 - real / processed if processed else 0.0,
@@ -398,9 +427,30 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
         "num_microbatches": data.num_microbatches_last,
         "samples": int(all_lengths.size),
     }
-    if loss is not None:
-        record["loss"] = loss
-    return record
+
+
+def _settle(run: Run, writer: MetricsWriter, step: int, values: list[float], info: dict) -> int:
+    """Act on step ``step`` once its :data:`STEP_SCALARS` are on the host: stop on a held-back update
+    (``trainer.on_nonfinite=error``) or count it and take it off the learning-rate schedule; write the step's
+    record if it has one. Returns 1 for a held-back update, else 0."""
+    scalars = dict(zip(STEP_SCALARS, values, strict=True))
+    held_back = scalars["skipped"] > 0
+    if held_back:
+        where = int(scalars["nonfinite_microbatch"])
+        message = f"step {step}: the gradient norm is {scalars['grad_norm']}" + (
+            f"; the first non-finite loss is in micro-batch {where} of {info['batches']}" if where else ""
+        )
+        if run.cfg.trainer.on_nonfinite == "error":
+            raise FloatingPointError(message + " (trainer.on_nonfinite=skip drops such updates and goes on)")
+        run.scheduler.step(increment=-1)
+        log.warning("%s: update skipped", message)
+    record = info.get("record")
+    if record is not None:
+        record |= {"grad_norm": scalars["grad_norm"], "skipped": held_back}
+        if info["has_loss"]:
+            record["loss"] = scalars["loss"]
+        writer.log(record)
+    return int(held_back)
 
 
 def _evaluate(run: Run, iters: int) -> float | None:

@@ -1,0 +1,163 @@
+"""thdpack.megatron.device_step: Megatron's optimizer step with the norm, clipping and non-finite skip on the
+device, run on CPU tensors (gloo world of one) against Megatron's own step on a copy of the same model."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from thdpack.megatron import cpu
+from thdpack.megatron.device_step import OptimizerStep
+
+pytestmark = pytest.mark.cpu_only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_world_of_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    cpu.initialize_model_parallel_cpu(seed=1234)
+    yield
+    cpu.destroy_model_parallel_cpu()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = v
+
+
+def _model_and_optimizer(clip_grad: float = 1.0):
+    """A tiny GPT in Megatron's DDP with the distributed optimizer (torch AdamW inside, on CPU), seeded."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True), model
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=clip_grad, use_distributed_optimizer=True
+        ),
+        [ddp],
+    )
+    return ddp, optimizer
+
+
+def _backward(ddp, scale: float = 1.0, poison: bool = False) -> None:
+    ddp.zero_grad_buffer()
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 64, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+    loss = ddp(tokens, positions, None, labels=tokens).sum() * scale
+    loss.backward()
+    ddp.finish_grad_sync()
+    if poison:
+        next(p for p in ddp.parameters()).main_grad.view(-1)[0] = float("nan")
+
+
+def _params(ddp) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _train(gate_on_device: bool, steps: list[dict], clip_grad: float = 1.0):
+    ddp, optimizer = _model_and_optimizer(clip_grad)
+    stepper = OptimizerStep(optimizer, "cpu", gate_on_device=gate_on_device)
+    outcomes = []
+    for kwargs in steps:
+        _backward(ddp, **kwargs)
+        outcomes.append(stepper.step())
+    return ddp, optimizer, stepper, outcomes
+
+
+def test_device_norm_equals_megatrons_norm():
+    ddp, optimizer = _model_and_optimizer()
+    _backward(ddp)
+    optimizer.prepare_grads()
+    expected = optimizer.get_grad_norm()
+    assert OptimizerStep(optimizer, "cpu", gate_on_device=True).grad_norm().item() == pytest.approx(
+        expected, rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-4], ids=["clipped", "not_clipped"])
+def test_gated_step_equals_megatrons_step(scale):
+    """Up to fp32 rounding: torch's fused AdamW against torch's AdamW, the clipping coefficient in fp32 on the
+    device against Megatron's in double on the host. (Over several steps Adam amplifies such rounding where a
+    gradient is near zero, so one step is compared.)"""
+    reference, _, _, (expected,) = _train(False, [{"scale": scale}])
+    gated, _, _, (outcome,) = _train(True, [{"scale": scale}])
+    assert outcome.grad_norm.item() == pytest.approx(expected.grad_norm.item(), rel=1e-6)
+    assert outcome.skipped.item() == 0.0
+    for got, want in zip(_params(gated), _params(reference), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+def test_megatron_path_on_cpu_is_megatrons_optimizer_step():
+    """gate_on_device=False on CPU: the numbers of ``optimizer.step()`` exactly (the CPU product path)."""
+    ddp, optimizer = _model_and_optimizer()
+    ours, _, _, outcomes = _train(False, [{}, {}])
+    for _ in range(2):
+        _backward(ddp)
+        _, norm, _ = optimizer.step()
+    assert outcomes[-1].grad_norm.item() == torch.tensor(norm, dtype=torch.float32).item()
+    for got, want in zip(_params(ours), _params(ddp), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_nonfinite_step_leaves_parameters_moments_and_step_count_unchanged():
+    ddp, optimizer, stepper, outcomes = _train(True, [{}])
+    before = _params(ddp)
+    inner = optimizer.optimizer
+    moments = {id(p): (s["exp_avg"].clone(), s["step"].clone()) for p, s in inner.state.items()}
+    _backward(ddp, poison=True)
+    outcome = stepper.step()
+    assert outcome.skipped.item() == 1.0
+    assert not torch.isfinite(outcome.grad_norm)
+    for got, want in zip(_params(ddp), before, strict=True):
+        assert torch.equal(got, want)
+    for p, s in inner.state.items():
+        exp_avg, step = moments[id(p)]
+        assert torch.equal(s["exp_avg"], exp_avg) and torch.equal(s["step"], step)
+    assert stepper.skipped_total.item() == 1.0
+
+
+@pytest.mark.parametrize("gate_on_device", [True, False], ids=["gated", "megatron"])
+def test_a_skipped_step_then_a_finite_one_equals_the_finite_one_alone(gate_on_device):
+    reference, _, _, _ = _train(gate_on_device, [{}, {"scale": 0.5}])
+    skipped, _, stepper, outcomes = _train(gate_on_device, [{}, {"poison": True}, {"scale": 0.5}])
+    assert [o.skipped.item() for o in outcomes] == [0.0, 1.0, 0.0]
+    for got, want in zip(_params(skipped), _params(reference), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_forcing_the_device_path_refuses_an_optimizer_it_cannot_gate():
+    ddp, optimizer = _model_and_optimizer()
+    optimizer.optimizer.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="cannot be gated on the device: torch Adam with amsgrad"):
+        OptimizerStep(optimizer, "cpu", gate_on_device=True)

@@ -1,0 +1,208 @@
+"""thdpack.megatron.output_loss: the output layer and the cross entropy chunk by chunk, against the full logits
+(torch's cross entropy on small fp32 tensors) and against megatron-core's own output layer and loss on a GPT model
+(CPU, one process; tensor parallelism: tests/functional/test_output_loss_parallel.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thdpack.megatron.output_loss import check_output_loss, linear_cross_entropy, resolve_output_loss
+
+N, H, V = 10, 8, 24
+
+
+def _inputs(seed: int = 0):
+    torch.manual_seed(seed)
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    labels[3] = -100  # no target
+    mask = torch.tensor([1, 1, 0, 1, 1, 0.5, 1, 1, 0, 1])
+    return hidden, weight, labels, mask
+
+
+def _reference(hidden, weight, labels, mask):
+    """The full logits' cross entropy weighted by the mask (0 where there is no target)."""
+    losses = F.cross_entropy(hidden @ weight.t(), labels.clamp(min=0), reduction="none")
+    counted = (labels >= 0) & (mask != 0)
+    return torch.where(counted, losses, 0.0), torch.where(counted, mask, 0.0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [N, 3, 1])
+def test_losses_and_gradients_equal_the_full_logits(chunk_tokens):
+    hidden, weight, labels, mask = _inputs()
+    losses = linear_cross_entropy(hidden, weight, labels, mask, chunk_tokens=chunk_tokens)
+    (losses * mask).sum().backward()
+    got = (losses.detach(), hidden.grad, weight.grad)
+
+    hidden.grad = weight.grad = None
+    reference, weights = _reference(hidden, weight, labels, mask)
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(got[0], reference.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tokens_that_do_not_count_get_zero_loss_and_no_gradient():
+    hidden, weight, labels, mask = _inputs()
+    losses = linear_cross_entropy(hidden, weight, labels, mask)
+    assert losses[[2, 3, 8]].tolist() == [0.0, 0.0, 0.0]  # mask 0, no target, mask 0
+    (losses * mask).sum().backward()
+    assert hidden.grad[[2, 3, 8]].abs().sum() == 0
+
+
+def test_a_rank_with_no_counted_token_gets_zero_loss_and_zero_gradients():
+    hidden, weight, labels, _ = _inputs()
+    with torch.no_grad():
+        hidden[0] = float("inf")  # what pad may hold: still no NaN
+    mask = torch.zeros(N)
+    losses = linear_cross_entropy(hidden, weight, labels, mask)
+    (losses * mask).sum().backward()
+    assert losses.abs().sum() == 0
+    assert hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+
+
+def test_the_gradient_follows_the_loss_scale():
+    hidden, weight, labels, mask = _inputs()
+    linear_cross_entropy(hidden, weight, labels, mask).mul(mask).sum().backward()
+    once = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    (linear_cross_entropy(hidden, weight, labels, mask).mul(mask).sum() * 2.5).backward()
+    torch.testing.assert_close(hidden.grad, 2.5 * once[0])
+    torch.testing.assert_close(weight.grad, 2.5 * once[1])
+
+
+def test_a_per_token_gradient_not_proportional_to_the_mask_is_refused():
+    hidden, weight, labels, mask = _inputs()
+    losses = linear_cross_entropy(hidden, weight, labels, mask)
+    with pytest.raises(RuntimeError, match="not proportional to the loss-mask weights"):
+        (losses * torch.arange(N)).sum().backward()
+
+
+def test_without_weights_every_token_with_a_target_counts_once():
+    hidden, weight, labels, _ = _inputs()
+    losses = linear_cross_entropy(hidden, weight, labels)
+    reference, _ = _reference(hidden, weight, labels, torch.ones(N))
+    torch.testing.assert_close(losses, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_is_chunked_on_cuda_and_megatron_on_cpu():
+    assert resolve_output_loss({}, "cuda") == "chunked"
+    assert resolve_output_loss({"output_loss": "auto"}, "cpu") == "megatron"
+    assert resolve_output_loss({"output_loss": "liger"}, "cuda") == "liger"
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "device", "message"),
+    [
+        ({"output_loss": "fused"}, 1, "cuda", "model.output_loss is 'fused': it must be auto or one of"),
+        ({"output_loss": "liger"}, 2, "cuda", "liger runs without tensor parallelism only"),
+        ({"output_loss": "liger"}, 1, "cpu", "liger needs a CUDA GPU"),
+    ],
+)
+def test_start_up_check_names_the_key(model, tp, device, message):
+    with pytest.raises(ValueError, match=message):
+        check_output_loss(model, {"tensor_model_parallel_size": tp}, device)
+
+
+# --- on a megatron-core GPTModel -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    from thdpack.megatron import cpu
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    cpu.initialize_model_parallel_cpu(seed=1234)
+    yield
+    cpu.destroy_model_parallel_cpu()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = v
+
+
+def _gpt(tied: bool, fused: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from thdpack.megatron.output_loss import use_output_loss
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        calculate_per_token_loss=True,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=64,
+        max_sequence_length=16,
+        share_embeddings_and_output_weights=tied,
+    )
+    if fused:
+        use_output_loss(model, "chunked", chunk_tokens=5)
+    return model
+
+
+@pytest.mark.usefixtures("gloo_world_of_one")
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gpt_loss_and_gradients_equal_megatrons_output_layer_and_loss(tied):
+    from thdpack.megatron.loss import LM_LOSS
+
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 64, (2, 16))
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[1, 12:] = -100
+    mask = (labels >= 0).float()
+    mask[0, :3] = 0.0  # a prompt
+    positions = torch.arange(16).expand(2, 16)
+    results = []
+    for fused in (False, True):
+        model = _gpt(tied, fused)
+        output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+        loss_sum, count, _ = LM_LOSS(SimpleNamespace(loss_mask=mask), output)
+        loss_sum.backward()
+        results.append(
+            (output.detach(), loss_sum.detach(), count, {n: p.grad for n, p in model.named_parameters()})
+        )
+    (megatron, megatron_sum, megatron_count, megatron_grads), (ours, our_sum, our_count, our_grads) = results
+    assert ours.shape == megatron.shape == (2, 16)
+    torch.testing.assert_close(ours[mask > 0], megatron[mask > 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(our_sum, megatron_sum, rtol=1e-6, atol=1e-6)
+    assert our_count == megatron_count
+    assert our_grads.keys() == megatron_grads.keys()
+    for name, grad in megatron_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.usefixtures("gloo_world_of_one")
+def test_gpt_without_labels_returns_megatrons_logits():
+    model = _gpt(tied=False, fused=True)
+    tokens = torch.randint(0, 64, (1, 8))
+    logits = model(tokens, torch.arange(8)[None], None)
+    assert logits.shape == (1, 8, 64)
