@@ -14,14 +14,15 @@ row, a text of one token). Bad lines are collected, not raised one by one: the e
 * ``"auto"`` (default): ``tokenize`` for files of at most :data:`AUTO_TOKENIZE_LINES` lines (at most
   :data:`AUTO_TOKENIZE_CHAT_LINES` when rows go through a chat template), else ``parse``.
 
-Measured (``python benchmarks/jsonl_validation.py``, generated chat-like rows of 1.1 KB on average) on this
-repository's shared 2-core CPU machine while other jobs kept its load average at 15-30, so single-core rates on a
-quiet machine are several times higher: the parse pass ran at 5,100 lines/s over 1,000,000 lines (198 s) at
-about the cost of a bare ``json.loads`` of every line (3.1 s against 3.4 s for 20,000 lines, same conditions);
-tokenizing as well ran at 1,900 lines/s with the byte tokenizer (524 s) and 73 lines/s through the Qwen2.5 chat
-template (275 s for 20,000 lines: the template is rendered in Jinja once per assistant turn plus once, 0.4-1.1 ms a
-render under a lighter load). A cached start took 0.1-0.2 s. Hence ``auto``: parsing is what a start can afford for any file;
-tokenizing only where the file is small enough, and it is cached once done.
+Measured (``python benchmarks/jsonl_validation.py`` and a bare ``json.loads`` loop over the same lines; generated
+chat-like rows, 1.1 KB on average) on this repository's shared 2-core CPU machine while other jobs kept its load
+average at 12-30 (absolute rates depend on that load: rerun the script on the machine that trains). Over 1,000,000 lines
+(1.1 GB) the parse pass took 100-116 s (8.6-10 K lines/s), 1.4-1.65x a bare ``json.loads`` of every line (70.5-71 s
+in alternation with it); a first run under heavier load took 198 s. Tokenizing as well took 524 s with the byte
+tokenizer (1.9 K lines/s, 2.6x that run's parse pass), and 275 s for 20,000 lines through the Qwen2.5 chat
+template (73 lines/s: the template is rendered in Jinja once per assistant turn plus once, 0.4-1.1 ms a render
+under a lighter load). A cached start took 0.1-0.2 s. Hence ``auto``: parsing is what a start can afford for any
+file; tokenizing only where the file is small enough, and it is cached once done.
 
 The cache: ``<cache_dir>/jsonl/<file name>-<hash of its absolute path>.npz`` holding the line offsets, the line
 numbers, the lengths (when tokenized) and a key of the file's size, modification time and a hash of its first and
