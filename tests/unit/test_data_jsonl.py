@@ -1,4 +1,5 @@
-"""Specification of the ``jsonl`` dataset: the four line kinds, and errors that name file and line."""
+"""Specification of the ``jsonl`` dataset: the four line kinds, errors that name file and line, and the one pass
+that checks every line when the dataset is built (its report and its cache)."""
 
 import json
 import pickle
@@ -11,6 +12,12 @@ from thdpack.data.jsonl import JsonlDataset
 
 TOK = ByteTokenizer()
 BOS, EOS = TOK.bos_id, TOK.eos_id
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Every test's index cache in its own folder (none under the home directory)."""
+    monkeypatch.setenv("THDPACK_CACHE", str(tmp_path / "cache"))
 
 
 def write(tmp_path, *lines, name="data.jsonl"):
@@ -100,13 +107,86 @@ BAD = [
 
 
 @pytest.mark.parametrize(("line", "rule"), BAD, ids=[rule for _, rule in BAD])
-def test_bad_line_raises_naming_file_line_and_rule(tmp_path, line, rule):
+@pytest.mark.parametrize("validate", ["parse", "tokenize"])
+def test_bad_line_stops_the_build_naming_file_line_and_rule(tmp_path, line, rule, validate):
     path = write(tmp_path, {"text": "fine"}, line, name="bad.jsonl")
-    data = JsonlDataset(path, TOK)
-    data[0]
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: ") as err:
-        data[1]
+        JsonlDataset(path, TOK, validate=validate)
     assert err.match(rule)
+    assert err.match(r"1 bad line\(s\) of 2")
+
+
+def test_every_bad_line_is_reported_with_its_line_and_counted(tmp_path):
+    path = write(tmp_path, {"text": "a"}, "{oops", {"text": "b"}, {"title": "x"}, "", {"input_ids": [1]})
+    with pytest.raises(ValueError) as err:
+        JsonlDataset(path, TOK)
+    message = str(err.value)
+    assert "3 bad line(s) of 5" in message
+    for line, rule in ((2, "malformed JSON"), (4, "none of the keys"), (6, "1 id")):
+        assert f"{path}:{line}: " in message and rule in message
+
+
+def test_the_report_quotes_the_first_max_errors_bad_lines_and_counts_all(tmp_path):
+    path = write(tmp_path, *([{"text": "ok"}] + ["[1]"] * 25))
+    with pytest.raises(ValueError) as err:
+        JsonlDataset(path, TOK, max_errors=20)
+    message = str(err.value)
+    assert "25 bad line(s) of 26" in message and "the first 20" in message
+    assert f"{path}:21: " in message and f"{path}:22: " not in message
+
+
+def test_a_tokenizing_pass_knows_every_sample_length(tmp_path):
+    path = write(tmp_path, {"text": "hi"}, {"prompt": "Hi", "response": "Yo"}, {"input_ids": [5, 6, 7]})
+    data = JsonlDataset(path, TOK, validate="tokenize")
+    assert data.lengths.tolist() == [len(data[i]) for i in range(3)] == [4, 6, 3]
+
+
+def test_a_parsing_pass_leaves_lengths_unknown(tmp_path):
+    data = JsonlDataset(write(tmp_path, {"text": "hi"}), TOK, validate="parse")
+    assert data.lengths is None and len(data) == 1
+
+
+def test_auto_tokenizes_a_small_file(tmp_path):
+    assert JsonlDataset(write(tmp_path, {"text": "hi"}), TOK).lengths.tolist() == [4]
+
+
+def test_a_second_build_loads_the_cached_index(tmp_path):
+    path = write(tmp_path, {"text": "a"}, "", {"text": "bc"})
+    first = JsonlDataset(path, TOK)
+    second = JsonlDataset(path, TOK)
+    assert not first.index.cached and second.index.cached
+    assert second.index.cache_path.exists()
+    assert second.lengths.tolist() == first.lengths.tolist() == [3, 4]
+    assert second[1].source == f"{path}:3"
+
+
+def test_a_changed_file_is_checked_again(tmp_path):
+    path = write(tmp_path, {"text": "a"}, {"text": "b"})
+    JsonlDataset(path, TOK)
+    path.write_text(path.read_text().replace('{"text": "b"}', '{"text": 777}'))  # same size
+    with pytest.raises(ValueError, match=r":2: 'text' is a int"):
+        JsonlDataset(path, TOK)
+
+
+def test_another_tokenizer_does_not_reuse_the_index(tmp_path):
+    class Other(ByteTokenizer):
+        name = "other"
+
+    path = write(tmp_path, {"text": "a"})
+    JsonlDataset(path, TOK)
+    assert not JsonlDataset(path, Other()).index.cached
+
+
+def test_a_file_with_bad_lines_is_not_cached(tmp_path):
+    path = write(tmp_path, {"text": "a"}, "[]")
+    with pytest.raises(ValueError):
+        JsonlDataset(path, TOK)
+    assert not list((tmp_path / "cache").rglob("*.npz"))
+
+
+def test_validate_names_its_options(tmp_path):
+    with pytest.raises(ValueError, match=r"dataset.validate is 'all'.*'auto', 'parse', 'tokenize'"):
+        JsonlDataset(write(tmp_path, {"text": "a"}), TOK, validate="all")
 
 
 def test_a_line_that_goes_bad_after_indexing_raises_when_reached(tmp_path):

@@ -3,7 +3,8 @@ BSHD micro-batches with 2D attention masks (what :func:`thdpack.pack_bshd` packs
 deterministic, data-parallel sharded, resumable loader the training loop calls.
 
 Datasets (imported lazily by :func:`build_train_data`): :class:`~thdpack.data.embedded.EmbeddedDataset` (the
-Python stdlib's sources, no download), :class:`~thdpack.data.jsonl.JsonlDataset`,
+Python stdlib's sources, no download), :class:`~thdpack.data.embedded_sft.EmbeddedSFTDataset` (chat pairs from
+them), :class:`~thdpack.data.jsonl.JsonlDataset` (checked in one pass at start-up),
 :class:`~thdpack.data.indexed.MegatronIndexedDataset`.
 """
 

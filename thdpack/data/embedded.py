@@ -28,19 +28,18 @@ import ast
 import hashlib
 import json
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from .cache import cache_root, write_entry
 from .samples import Sample, format_length_stats, length_stats
 from .tokenizer import ByteTokenizer, build_tokenizer
 
-__all__ = ["EmbeddedDataset", "cache_root", "cut_documents", "stdlib_files"]
+__all__ = ["EmbeddedDataset", "cache_entry", "cache_root", "cut_documents", "read_stdlib", "stdlib_files"]
 
 # Bump when the file selection or the cutting rules change: it is part of the cache key.
 BUILD_VERSION = "1"
@@ -48,11 +47,6 @@ EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "__pycache__", "__phello__"}
     | {"encodings", "pydoc_data"}  # generated: codec tables, one huge help string
 )
-
-
-def cache_root() -> Path:
-    """``$THDPACK_CACHE``, else ``~/.cache/thdpack``."""
-    return Path(os.environ.get("THDPACK_CACHE") or Path.home() / ".cache" / "thdpack")
 
 
 def stdlib_files(root: str | Path | None = None) -> list[str]:
@@ -112,14 +106,10 @@ class EmbeddedDataset:
     ):
         start = time.perf_counter()
         self.tokenizer = tokenizer or ByteTokenizer()
-        root = Path(sysconfig.get_paths()["stdlib"])
-        self.files = stdlib_files(root)[:max_files]
-        sources = [_normalized(root / f) for f in self.files]
-        key = hashlib.sha256(f"{BUILD_VERSION}|{sys.version}|{self.tokenizer.name}".encode())
-        for name, data in zip(self.files, sources, strict=True):
-            key.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        self.cache_path = Path(cache_dir or cache_root()) / f"embedded-py{version}-{key.hexdigest()[:16]}"
+        self.files, sources = read_stdlib(max_files)
+        self.cache_path = cache_entry(
+            cache_dir, "embedded", BUILD_VERSION, self.tokenizer, self.files, sources
+        )
         self.build_seconds = 0.0
         if rebuild or not (self.cache_path / "done").exists():
             self.build_seconds = self._build(sources)
@@ -154,20 +144,7 @@ class EmbeddedDataset:
             "doc_file": np.asarray(doc_file, np.int32),
             "doc_line": np.asarray(doc_line, np.int32),
         }
-        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        # Written to a private folder and renamed into place: a reader never sees half a cache entry, and two
-        # processes building at once both end with a complete one.
-        tmp = Path(tempfile.mkdtemp(dir=self.cache_path.parent, prefix=".build-"))
-        for name, array in arrays.items():
-            np.save(tmp / f"{name}.npy", array)
-        (tmp / "meta.json").write_text(json.dumps({"files": self.files, "skipped_files": skipped}))
-        (tmp / "done").write_text("")
-        if self.cache_path.exists():
-            shutil.rmtree(self.cache_path, ignore_errors=True)
-        try:
-            os.replace(tmp, self.cache_path)
-        except OSError:  # another process renamed its copy first; both are identical
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_entry(self.cache_path, arrays, {"files": self.files, "skipped_files": skipped})
         return time.perf_counter() - start
 
     def _load(self) -> None:
@@ -200,6 +177,26 @@ class EmbeddedDataset:
     def length_stats(self) -> dict:
         """:func:`~thdpack.data.samples.length_stats` of the document lengths."""
         return length_stats(self.lengths)
+
+
+def read_stdlib(max_files: int | None = None) -> tuple[list[str], list[bytes]]:
+    """``(files, sources)``: the first ``max_files`` of :func:`stdlib_files` (None = all) and their bytes with
+    ``\\n`` line ends (what :func:`cut_documents` takes)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)[:max_files]
+    return files, [_normalized(root / f) for f in files]
+
+
+def cache_entry(
+    cache_dir, prefix: str, version: str, tokenizer, files: list[str], sources: list[bytes]
+) -> Path:
+    """The cache folder of a corpus built from ``sources``: keyed by the builder's ``version``, the Python
+    version, the tokenizer and every file's path and content."""
+    key = hashlib.sha256(f"{version}|{sys.version}|{tokenizer.name}".encode())
+    for name, data in zip(files, sources, strict=True):
+        key.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return Path(cache_dir or cache_root()) / f"{prefix}-py{python}-{key.hexdigest()[:16]}"
 
 
 def _normalized(path: Path) -> bytes:

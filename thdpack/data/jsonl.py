@@ -1,18 +1,25 @@
-"""``jsonl``: one JSON object per line, read lazily (an index of line offsets is built once, a line is parsed
-when its sample is asked for, so a line that is or goes bad raises when it is reached, naming file and line).
+"""``jsonl``: one JSON object per line, checked in one pass when the dataset is built (every bad line reported
+with file:line before training starts; see :mod:`thdpack.data.jsonl_index`), then read lazily (a line is parsed
+and tokenized when its sample is asked for).
 
 Line kinds (exactly one of these keys per line; other keys are ignored):
 
-* ``{"text": str}``: LM, ``bos + text + eos``, every token but the first a target.
-* ``{"input_ids": [int, ...]}``: LM on the ids as given (no bos/eos added); at least 2 ids.
-* ``{"prompt": str, "response": str}``: SFT, ``bos + prompt + response + eos``; targets are the response
-  tokens and the eos.
-* ``{"messages": [{"role": str, "content": str}, ...]}``: chat, ``bos`` then per turn
-  ``encode("<|{role}|>\\n" ) + encode(content) + eos``; targets are the assistant turns' content and eos (the
-  role tag is not). Roles are free strings; only ``"assistant"`` is trained on.
+* ``{"text": str}``: LM, every token but the first a target. Tokens: ``bos + text + eos`` with a tokenizer that
+  has no special-token rule of its own (byte, ``tokenizer.json``); with a Hugging Face model directory's tokenizer,
+  whatever its ``add_special_tokens`` adds (Llama 3: BOS; Qwen: nothing).
+* ``{"input_ids": [int, ...]}``: LM on the ids as given (no bos/eos added); at least 2 ids, each in
+  ``[0, vocab_size)``.
+* ``{"prompt": str, "response": str}``: SFT, the loss on the response. With a chat template: the same as
+  ``messages`` ``[user: prompt, assistant: response]``. Without: ``bos + prompt + response + eos``, targets the
+  response tokens and the eos.
+* ``{"messages": [{"role": str, "content": str}, ...]}``: chat, the loss on the assistant turns only. With a chat
+  template (a Hugging Face model directory's tokenizer): the model's own template, spans as
+  :meth:`thdpack.hf.tokenizer.PretrainedTokenizer.render_chat` documents. Without: ``bos`` then per turn
+  ``encode("<|{role}|>\\n") + encode(content) + eos``, targets the assistant turns' content and eos (the role tag
+  is not). Roles are free strings; only ``"assistant"`` is trained on.
 
-Pieces are encoded separately (prompt and response, tag and content), so a subword tokenizer never merges a
-prompt token with a response token, and the target boundary stays exact.
+Pieces are encoded separately (prompt and response, tag and content, prompt and assistant span), so a subword
+tokenizer never merges a prompt token with a target token, and the target boundary stays exact.
 
 Bad data raises ``ValueError("<file>:<line>: <what>: <rule>")``: malformed JSON, not an object, none or
 several of the known keys, wrong types, an empty sample (no token, or no target token), ids that are not
@@ -29,7 +36,7 @@ import numpy as np
 
 from .samples import Sample
 
-__all__ = ["JsonlDataset"]
+__all__ = ["JsonlDataset", "check_record", "parse_record", "tokenize_record"]
 
 KINDS = ("text", "input_ids", "prompt", "messages")
 
@@ -39,26 +46,45 @@ class JsonlDataset:
 
     Args:
         path: the file.
-        tokenizer: see :mod:`thdpack.data.tokenizer`.
+        tokenizer: see :mod:`thdpack.data.tokenizer` and :mod:`thdpack.hf.tokenizer`.
+        validate: ``"parse"`` (every line parsed and checked), ``"tokenize"`` (also tokenized: sample lengths
+            known up front) or ``"auto"``; see :func:`~thdpack.data.jsonl_index.index_jsonl`.
+        max_errors: bad lines quoted in the error (all are counted).
+        cache_dir: where the index is cached (default :func:`~thdpack.data.cache.cache_root`); False: no cache.
+
+    Attributes:
+        lengths: int64 ``[N]`` tokens per sample when the pass tokenized, else None.
+        index: the :class:`~thdpack.data.jsonl_index.JsonlIndex` (``tokenized``, ``seconds``, ``cached``).
     """
 
-    def __init__(self, path: str | Path, tokenizer):
+    def __init__(
+        self, path: str | Path, tokenizer, *, validate: str = "auto", max_errors: int = 20, cache_dir=None
+    ):
+        from .jsonl_index import index_jsonl
+
         self.path = Path(path)
         self.tokenizer = tokenizer
-        data = np.fromfile(self.path, dtype=np.uint8)
-        newline = np.flatnonzero(data == 10)
-        starts = np.concatenate([[0], newline + 1])
-        ends = np.concatenate([newline, [len(data)]])
-        # Blank lines (empty, or a lone \r) hold no sample; checked by length so the index stays vectorized.
-        first_byte = np.append(data, np.uint8(10))[starts]  # a sentinel: starts may equal len(data)
-        blank = (ends - starts == 0) | ((ends - starts == 1) & (first_byte == 13))
-        keep = ~blank
-        self._start, self._end = starts[keep], ends[keep]
-        self._line = np.flatnonzero(keep) + 1  # 1-based line numbers, as an editor shows them
+        self.index = index_jsonl(
+            self.path, tokenizer, validate=validate, max_errors=max_errors, cache_dir=cache_dir
+        )
+        self._start, self._end, self._line = self.index.starts, self.index.ends, self.index.lines
+        self.lengths = self.index.lengths
         self._file = None
 
     def __len__(self) -> int:
         return len(self._start)
+
+    @property
+    def summary(self) -> str:
+        """What the start-up pass did, for the log."""
+        index = self.index
+        what = "parsed, checked and tokenized" if index.tokenized else "parsed and checked (not tokenized)"
+        if index.cached:
+            return (
+                f"{self.path}: {len(self)} samples, every line {what} at an earlier start (index loaded from "
+                f"{index.cache_path} in {index.seconds:.2f} s)"
+            )
+        return f"{self.path}: {len(self)} samples, every line {what} in {index.seconds:.2f} s"
 
     def __getstate__(self):  # an open file does not pickle (DataLoader workers): reopen lazily
         return {**self.__dict__, "_file": None}
@@ -86,6 +112,12 @@ class JsonlDataset:
 
 def parse_record(record, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     """``(tokens int64 [L], target_mask bool [L] or None)`` of one decoded JSON line; ``where`` = ``file:line``."""
+    return tokenize_record(record, check_record(record, tokenizer.vocab_size, where), tokenizer, where)
+
+
+def check_record(record, vocab_size: int, where: str) -> str:
+    """The line's kind (``"text"``, ``"input_ids"``, ``"prompt"``, ``"messages"``) after checking its keys and
+    types (and the ids' range) without tokenizing; raises ``ValueError`` naming ``where`` and the rule."""
     if not isinstance(record, dict):
         raise ValueError(
             f"{where}: a JSON {type(record).__name__}, not an object: each line must be an object"
@@ -98,54 +130,90 @@ def parse_record(record, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray 
             "('prompt' goes with 'response')"
         )
     kind = kinds[0]
-    bos = np.array([tokenizer.bos_id], np.int64)
-    eos = np.array([tokenizer.eos_id], np.int64)
     if kind == "text":
-        text = _string(record, "text", where)
-        if not text:
+        if not _string(record, "text", where):
             raise ValueError(f"{where}: 'text' is empty: an LM sample needs at least one token")
-        return np.concatenate([bos, tokenizer.encode(text), eos]), None
-    if kind == "input_ids":
-        return _ids(record["input_ids"], tokenizer.vocab_size, where), None
-    if kind == "prompt":
-        prompt, response = _string(record, "prompt", where), _string(record, "response", where)
-        if not response:
+    elif kind == "input_ids":
+        _ids(record["input_ids"], vocab_size, where)
+    elif kind == "prompt":
+        _string(record, "prompt", where)
+        if not _string(record, "response", where):
             raise ValueError(f"{where}: 'response' is empty: an SFT sample needs at least one target token")
+    else:
+        _check_messages(record["messages"], where)
+    return kind
+
+
+def tokenize_record(record: dict, kind: str, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tokens and target mask of a line that :func:`check_record` accepted as ``kind``."""
+    chat = getattr(tokenizer, "has_chat_template", False)
+    if kind == "text":
+        if hasattr(tokenizer, "encode_text"):
+            tokens = tokenizer.encode_text(record["text"])
+            if len(tokens) < 2:
+                raise ValueError(
+                    f"{where}: 'text' is {len(tokens)} token(s) long: an LM sample needs at least 2 (a target)"
+                )
+            return tokens, None
+        return np.concatenate(
+            [[tokenizer.bos_id], tokenizer.encode(record["text"]), [tokenizer.eos_id]]
+        ), None
+    if kind == "input_ids":
+        return np.asarray(record["input_ids"], dtype=np.int64), None
+    if kind == "prompt":
+        if chat:
+            messages = [
+                {"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["response"]},
+            ]
+            return tokenizer.render_chat(messages, where)
+        bos = np.array([tokenizer.bos_id], np.int64)
+        eos = np.array([tokenizer.eos_id], np.int64)
         pieces = [
             (bos, False),
-            (tokenizer.encode(prompt), False),
-            (tokenizer.encode(response), True),
+            (tokenizer.encode(record["prompt"]), False),
+            (tokenizer.encode(record["response"]), True),
             (eos, True),
         ]
         return _join(pieces)
-    return _messages(record["messages"], tokenizer, bos, eos, where)
+    if chat:
+        return tokenizer.render_chat(record["messages"], where)
+    return _tagged_messages(record["messages"], tokenizer)
 
 
-def _messages(messages, tokenizer, bos, eos, where):
+def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str}}")
-    pieces = [(bos, False)]
+    assistant = False
     for turn, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"{where}: messages[{turn}] must be an object with a string 'role'")
-        content = _string(message, "content", where, f"messages[{turn}].content")
-        trained = message["role"] == "assistant"
-        pieces += [
-            (tokenizer.encode(f"<|{message['role']}|>\n"), False),
-            (tokenizer.encode(content), trained),
-            (eos, trained),
-        ]
-    tokens, targets = _join(pieces)
-    if not targets[1:].any():
+        _string(message, "content", where, f"messages[{turn}].content")
+        assistant = assistant or message["role"] == "assistant"
+    if not assistant:
         raise ValueError(
             f"{where}: no assistant message: a chat sample needs at least one target token (loss is on "
             "the assistant turns only)"
         )
-    return tokens, targets
+
+
+def _tagged_messages(messages, tokenizer):
+    """thdpack's own chat format (no chat template): ``<|role|>\\n`` tags, eos after every turn."""
+    bos = np.array([tokenizer.bos_id], np.int64)
+    eos = np.array([tokenizer.eos_id], np.int64)
+    pieces = [(bos, False)]
+    for message in messages:
+        trained = message["role"] == "assistant"
+        pieces += [
+            (tokenizer.encode(f"<|{message['role']}|>\n"), False),
+            (tokenizer.encode(message["content"]), trained),
+            (eos, trained),
+        ]
+    return _join(pieces)
 
 
 def _join(pieces):
-    tokens = np.concatenate([p for p, _ in pieces])
+    tokens = np.concatenate([p for p, _ in pieces]).astype(np.int64)
     targets = np.concatenate([np.full(len(p), t, dtype=bool) for p, t in pieces])
     return tokens, targets
 
@@ -158,7 +226,7 @@ def _string(record: dict, key: str, where: str, name: str | None = None) -> str:
     return value
 
 
-def _ids(value, vocab_size: int, where: str) -> np.ndarray:
+def _ids(value, vocab_size: int, where: str) -> None:
     rule = f"'input_ids' must be a list of at least 2 integers in [0, {vocab_size})"
     if not isinstance(value, list):
         raise ValueError(f"{where}: 'input_ids' is a {type(value).__name__}: {rule}")
@@ -173,4 +241,3 @@ def _ids(value, vocab_size: int, where: str) -> np.ndarray:
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
         raise ValueError(f"{where}: input_ids[{bad[0]}] = {ids[bad[0]]} is out of range: {rule}")
-    return ids.astype(np.int64)

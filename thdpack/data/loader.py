@@ -31,12 +31,19 @@ import torch
 
 from .budget import DEFAULT_COST_WEIGHTS, plan_microbatches
 from .collate import PAD_TO, collate
-from .samples import Sample, SampleDataset
+from .samples import Sample, SampleDataset, known_lengths
 
-__all__ = ["OVERLONG", "TrainData", "build_dataset", "build_train_data", "micro_batch_tokens"]
+__all__ = [
+    "OVERLONG",
+    "TrainData",
+    "build_dataset",
+    "build_train_data",
+    "micro_batch_tokens",
+    "startup_report",
+]
 
 OVERLONG = ("truncate", "drop", "error")
-DATASETS = ("embedded", "jsonl", "megatron_indexed", "synthetic")
+DATASETS = ("embedded", "embedded_sft", "jsonl", "megatron_indexed", "synthetic")
 _STATE_KEYS = ("consumed", "epoch", "steps", "samples_seen", "truncated", "dropped", "fillers", "real_tokens")
 
 
@@ -202,6 +209,35 @@ class TrainData:
             self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset)))
         return int(self._perm[1][offset])
 
+    def check_overlong(self) -> str:
+        """A line for the start-up log: how many samples are longer than the limit and what ``overlong`` does
+        with them, from the lengths the dataset knows up front (e.g. a tokenizing JSONL pass); without them, the
+        rule and where the counts appear. With ``overlong="error"`` and overlong samples known, raises naming the
+        first few (before step 1 rather than when reached)."""
+        limit = f"{self._limit_name} ({self.max_length})"
+        rule = {
+            "truncate": f"truncated to their first {self.max_length} tokens (one left without a target is dropped)",
+            "drop": "dropped (the stream refills the batch)",
+            "error": "refused (an error)",
+        }[self.overlong]
+        lengths = known_lengths(self.dataset)
+        if lengths is None:
+            return (
+                f"sample lengths are not known before training: samples longer than {limit} will be {rule} "
+                f"(dataset.overlong={self.overlong}); the step log counts them"
+            )
+        over = np.flatnonzero(lengths > self.max_length)
+        if over.size and self.overlong == "error":
+            sources = ", ".join(f"{self.dataset[int(i)].source} ({lengths[i]} tokens)" for i in over[:5])
+            raise ValueError(
+                f"{over.size} of {len(lengths)} samples are longer than {limit}: dataset.overlong=error refuses "
+                f"them (use truncate or drop, or raise dataset.seq_length); the first: {sources}"
+            )
+        return (
+            f"{over.size} of {len(lengths)} samples ({over.size / len(lengths):.1%}) are longer than {limit}: "
+            f"dataset.overlong={self.overlong}, they are {rule}"
+        )
+
     def state_dict(self) -> dict[str, int]:
         """Python ints, the same on every rank: enough to continue the exact stream after a restart."""
         state = {key: int(getattr(self, key)) for key in _STATE_KEYS}
@@ -222,15 +258,26 @@ class TrainData:
 
 
 def build_dataset(
-    name: str, path: str | None, tokenizer, *, max_files: int | None = None, synthetic: Mapping | None = None
+    name: str,
+    path: str | None,
+    tokenizer,
+    *,
+    max_files: int | None = None,
+    synthetic: Mapping | None = None,
+    validate: str = "auto",
 ) -> SampleDataset:
-    """The dataset ``name`` (``embedded``, ``jsonl``, ``megatron_indexed`` or ``synthetic``); ``path`` is the JSONL
-    file or the indexed prefix (unused by ``embedded``; ``max_files`` is ``embedded``'s subset option);
-    ``synthetic``: the keyword arguments of :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary."""
+    """The dataset ``name`` (``embedded``, ``embedded_sft``, ``jsonl``, ``megatron_indexed`` or ``synthetic``);
+    ``path`` is the JSONL file or the indexed prefix (unused by the embedded ones; ``max_files`` is their subset
+    option); ``synthetic``: the keyword arguments of :class:`~thdpack.data.synthetic.SyntheticDataset` but the
+    vocabulary; ``validate``: the JSONL start-up pass (:mod:`thdpack.data.jsonl_index`)."""
     if name == "embedded":
         from .embedded import EmbeddedDataset
 
         return EmbeddedDataset(tokenizer, max_files=max_files)
+    if name == "embedded_sft":
+        from .embedded_sft import EmbeddedSFTDataset
+
+        return EmbeddedSFTDataset(tokenizer, max_files=max_files)
     if name == "synthetic":
         from .synthetic import SyntheticDataset
 
@@ -246,7 +293,7 @@ def build_dataset(
     if name == "jsonl":
         from .jsonl import JsonlDataset
 
-        return JsonlDataset(path, tokenizer)
+        return JsonlDataset(path, tokenizer, validate=validate)
     from .indexed import MegatronIndexedDataset
 
     return MegatronIndexedDataset(path, tokenizer.vocab_size)
@@ -282,7 +329,7 @@ def build_train_data(
     ``global_batch_size`` (required), ``micro_batch_size`` (required unless ``micro_batch_tokens`` is set),
     ``micro_batch_tokens`` (``auto``, see :func:`micro_batch_tokens`), ``tokenizer`` (``"byte"``), ``shuffle`` (true), ``overlong``
     (``"truncate"``), ``pad_to`` (``"seq_length"``), ``mrope`` (false), ``cost_weights`` (``[a, b]``),
-    ``max_files`` (``embedded`` only). Other keys (``pack_sequences_in_batch``, ``mode``, ...) belong to the
+    ``max_files`` (``embedded`` only), ``validate`` (``"auto"``, ``jsonl`` only). Other keys (``pack_sequences_in_batch``, ``mode``, ...) belong to the
     training loop and are ignored here (``pack_sequences_in_batch`` decides what ``micro_batch_tokens: auto``
     means).
 
@@ -310,6 +357,7 @@ def build_train_data(
             tokenizer,
             max_files=get("max_files", None),
             synthetic=get("synthetic", None),
+            validate=get("validate", "auto"),
         )
     data = TrainData(
         dataset,
@@ -329,3 +377,13 @@ def build_train_data(
     )
     data.tokenizer = tokenizer
     return data
+
+
+def startup_report(data: TrainData) -> list[str]:
+    """Lines for the start-up log: what the dataset's own start-up check found (``summary``, e.g. the JSONL
+    pass), and :meth:`TrainData.check_overlong` (which raises for ``overlong="error"`` with overlong samples)."""
+    dataset = data.dataset
+    while not hasattr(dataset, "summary") and hasattr(dataset, "dataset"):  # through Subset
+        dataset = dataset.dataset
+    summary = getattr(dataset, "summary", None)
+    return ([summary] if summary else []) + [data.check_overlong()]

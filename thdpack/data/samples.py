@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Sample", "SampleDataset", "length_stats", "format_length_stats"]
+__all__ = ["Sample", "SampleDataset", "format_length_stats", "known_lengths", "length_stats"]
 
 
 @dataclass
@@ -78,6 +78,16 @@ class Subset:
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self.dataset[self.start + index]
+
+
+def known_lengths(dataset: SampleDataset) -> np.ndarray | None:
+    """int64 ``[N]`` sample lengths when the dataset knows them without reading its samples (a ``lengths``
+    attribute, through :class:`Subset`), else None."""
+    if isinstance(dataset, Subset):
+        inner = known_lengths(dataset.dataset)
+        return None if inner is None else inner[dataset.start : dataset.stop]
+    lengths = getattr(dataset, "lengths", None)
+    return None if lengths is None else np.asarray(lengths, dtype=np.int64)
 
 
 def split_holdout(dataset: SampleDataset, holdout: int) -> tuple[SampleDataset, SampleDataset]:

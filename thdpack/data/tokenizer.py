@@ -82,8 +82,11 @@ class HFTokenizer:
 
 
 def build_tokenizer(spec: str | None = "byte") -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` (or None) gives :class:`ByteTokenizer`; a path to a ``tokenizer.json`` gives :class:`HFTokenizer`."""
-    if spec is None or spec == "byte":
+    """``"byte"`` (or None) gives :class:`ByteTokenizer`; a path to a ``tokenizer.json`` gives :class:`HFTokenizer`.
+
+    ``"auto"`` is the byte tokenizer here: the training loop resolves it to ``model.pretrained``'s tokenizer first
+    when that is set (:func:`thdpack.hf.tokenizer.resolve_tokenizer`, which also takes model directories)."""
+    if spec is None or spec in ("byte", "auto"):
         return ByteTokenizer()
     path = Path(spec)
     if not path.is_file():

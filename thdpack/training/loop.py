@@ -132,8 +132,10 @@ def setup_run(cfg: DictConfig) -> Run:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from thdpack.data import build_dataset, build_tokenizer, build_train_data
+    from thdpack.data import build_dataset, build_train_data
+    from thdpack.data.loader import startup_report
     from thdpack.data.samples import split_holdout
+    from thdpack.hf.tokenizer import resolve_tokenizer
     from thdpack.megatron.batch import BatchConfig, model_alignment
     from thdpack.megatron.config import padded_vocab_size, transformer_config
     from thdpack.megatron.device_step import OptimizerStep
@@ -169,13 +171,16 @@ def setup_run(cfg: DictConfig) -> Run:
         log.setLevel(logging.WARNING)
 
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
-    tokenizer = build_tokenizer(data_cfg.tokenizer)
+    tokenizer = resolve_tokenizer(
+        data_cfg.get("tokenizer", "auto"), cfg.model.get("pretrained"), data_cfg.get("chat_template_kwargs")
+    )
     dataset = build_dataset(
         data_cfg.name,
         data_cfg.get("path"),
         tokenizer,
         max_files=data_cfg.get("max_files"),
         synthetic=data_cfg.get("synthetic"),
+        validate=data_cfg.get("validate", "auto"),
     )
     eval_interval = trainer.get("eval_interval")
     dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
@@ -188,6 +193,8 @@ def setup_run(cfg: DictConfig) -> Run:
     )
     data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
+    for line in startup_report(data):
+        log.info("data: %s", line)
 
     config = transformer_config(cfg.model, parallel, runtime)
     vocab_size = padded_vocab_size(cfg.model, tokenizer.vocab_size, ps.get_tensor_model_parallel_world_size())
@@ -396,6 +403,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     writer.close(summary)
     if run.logging_rank:
         log.info("summary: %s", {k: v for k, v in summary.items() if k != "data"})
+        log.info(
+            "data: %d samples trained on, %d truncated, %d dropped (dataset.overlong=%s)",
+            data.samples_seen,
+            data.truncated,
+            data.dropped,
+            cfg.dataset.get("overlong", "truncate"),
+        )
     _shutdown()
     return summary
 
@@ -426,6 +440,8 @@ def _step_record(iteration, step_time, run: Run) -> dict:
         "tflops": model_flops / step_time / dist.get_world_size() / 1e12,
         "num_microbatches": data.num_microbatches_last,
         "samples": int(all_lengths.size),
+        "samples_truncated": data.truncated,  # over the whole stream: a resumed run continues the counts
+        "samples_dropped": data.dropped,
     }
 
 
