@@ -75,7 +75,7 @@ def test_a_packed_step_loss_matches_megatrons(output_loss):
         overrides = [
             "dataset.seq_length=512",
             "dataset.max_files=40",
-            "trainer.train_iters=2",
+            "trainer.train_iters=3",
             f"model.output_loss={name}",
         ]
         with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
@@ -83,7 +83,7 @@ def test_a_packed_step_loss_matches_megatrons(output_loss):
         try:
             scalars = DeferredScalars("cuda", lag=0)
             reports, outcome = train_step(run, run.data.next_step())
-            scalars.push(1, step_scalars(reports, outcome, with_loss=True))
+            scalars.push(1, step_scalars(reports, outcome, True, run.step.loss))
             ((_, values, _),) = scalars.ready()
             losses[name] = dict(zip(STEP_SCALARS, values, strict=True))
         finally:

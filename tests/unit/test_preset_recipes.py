@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_dir
 
 from thdpack.training.checks import check_recipe
 from thdpack.training.loop import recipes_dir
+from thdpack.training.recipe import resolve_recipe
 
 
 def _compose(*overrides):
@@ -22,7 +23,7 @@ def test_finetune_preset_is_a_small_rate_decaying_below_itself():
 
 
 def test_finetune_preset_passes_the_start_up_checks():
-    assert check_recipe(_compose("trainer=finetune"), world_size=1, device="cpu", backend="torch") == []
+    assert check_recipe(resolve_recipe(_compose("trainer=finetune"), "cpu"), world_size=1, device="cpu") == []
 
 
 def test_embedded_sft_recipe_names_its_dataset_and_takes_the_models_tokenizer():
