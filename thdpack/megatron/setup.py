@@ -30,6 +30,8 @@ MODEL_KEYS = (
     "share_embeddings_and_output_weights",
     "attention_mask_type",
     "config",
+    "pretrained",  # an HF directory (model=hf): thdpack.hf sets the rest from its config.json
+    "rope_scaling",  # Llama 3 RoPE scaling of an HF checkpoint, applied by thdpack.hf.load
 )
 
 
