@@ -199,3 +199,45 @@ def test_a_tied_checkpoint_may_keep_lm_head_only_equal_to_the_embedding(tmp_path
     _rewrite(directory, lambda t: t["lm_head.weight"].add_(1.0))
     with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
         megatron_model(directory)
+
+
+@pytest.mark.usefixtures("one_rank_megatron")
+@pytest.mark.parametrize("load_first", [True, False])
+def test_bf16_weights_must_load_before_the_distributed_optimizer_copies_them(hf_dirs, load_first):
+    """Megatron's distributed optimizer takes its fp32 main parameters from the bf16 model at construction:
+    weights loaded later never reach them (and the first update would bring the random ones back). The training
+    loop loads in between build_model and build_optimizer."""
+    from thdpack.hf.config import pretrained_model_group
+    from thdpack.hf.load import load_pretrained
+    from thdpack.megatron import setup
+
+    directory = hf_dirs["llama2"]
+    group = pretrained_model_group({"pretrained": str(directory)}, seq_length=64, tp=1)
+    runtime = setup.Runtime("cpu", "bf16", "torch")
+    ones = dict.fromkeys(
+        (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ),
+        1,
+    )
+    config = setup.transformer_config(group, ones, runtime)
+    model = setup.build_model(group, config, group["vocab_size"], 64, runtime)
+    trainer = dict(
+        lr=1e-3, min_lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0,
+        train_iters=2, lr_warmup_iters=0, lr_decay_style="cosine",
+    )  # fmt: skip
+    if load_first:
+        load_pretrained(model, directory)
+    optimizer, _ = setup.build_optimizer(trainer, model, config)
+    if not load_first:
+        load_pretrained(model, directory)
+    same = []
+    for sub in optimizer.chained_optimizers:
+        for params, mains in zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups, strict=True):
+            for param, main in zip(params, mains, strict=True):
+                span = sub._get_model_param_range_map(param)["param"]
+                same.append(torch.equal(param.detach().view(-1)[span.start : span.end].float(), main))
+    assert all(same) is load_first

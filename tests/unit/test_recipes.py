@@ -13,6 +13,9 @@ from thdpack.training.flops import FlopsModel
 from thdpack.training.loop import recipes_dir
 
 MODELS = sorted(p.stem for p in (recipes_dir() / "model").glob("*.yaml"))
+PRESETS = [
+    m for m in MODELS if m != "hf"
+]  # model=hf: the architecture comes from model.pretrained's config.json
 
 
 def _compose(*overrides):
@@ -22,6 +25,7 @@ def _compose(*overrides):
 
 def test_the_recipes_hold_every_model_the_readme_names():
     assert MODELS == [
+        "hf",
         "llama3_1b",
         "llama3_8b",
         "qwen2_5_vl_7b",
@@ -32,7 +36,7 @@ def test_the_recipes_hold_every_model_the_readme_names():
     ]
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", PRESETS)
 def test_model_recipe_builds_a_transformer_config(model):
     cfg = _compose(f"model={model}")
     config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
@@ -44,6 +48,42 @@ def test_model_recipe_builds_a_transformer_config(model):
     if cfg.model.position_embedding_type == "mrope":
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         assert sum(cfg.model.config.mrope_section) == head_dim // 2
+
+
+def test_hf_recipe_builds_the_transformer_config_of_its_config_json(tmp_path):
+    import json
+
+    from thdpack.hf.config import pretrained_model_group
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "vocab_size": 301,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 24,
+                "hidden_act": "silu",
+                "rms_norm_eps": 1e-6,
+            }
+        )
+    )
+    cfg = _compose(
+        "model=hf", f"model.pretrained={tmp_path}", "parallel=tp2", "model.config.hidden_dropout=0.1"
+    )
+    group = pretrained_model_group(cfg.model, seq_length=64, tp=2)
+    config = transformer_config(group, cfg.parallel, Runtime("cpu", "fp32", "torch"))
+    assert (config.num_layers, config.kv_channels, config.qk_layernorm, config.hidden_dropout) == (
+        2,
+        24,
+        True,
+        0.1,
+    )
+    assert padded_vocab_size(group, 259, 2) == 302  # the checkpoint's 301 ids, padded for TP2
 
 
 def test_llama3_1b_flops_model_counts_its_gemm_parameters():

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from .config import read_hf_config
+from .load import never_predict_padding, set_rotary_frequencies
 from .mapping import Dims, active_rules, features, megatron_to_hf
 
 __all__ = [
@@ -167,8 +169,9 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[
 
 
 def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
-    """The run's ``GPTModel``, built on CPU without model parallelism, holding the checkpoint's weights.
-    Starts a one-process gloo group and Megatron's parallel state if none is running."""
+    """The run's ``GPTModel``, built on CPU without model parallelism, holding the checkpoint's weights (and the
+    checkpoint's RoPE frequencies, as imported). Starts a one-process gloo group and Megatron's parallel state
+    if none is running."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -208,6 +211,9 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     )
     loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(iteration_dir))
     gpt.load_state_dict(loaded["model"])
+    hf_config = read_hf_config(hf_dir)
+    set_rotary_frequencies(gpt, hf_config)  # what the weights do not carry, as at import
+    never_predict_padding(gpt, int(hf_config["vocab_size"]))
     return gpt
 
 
@@ -239,5 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
+    # megatron-core without Apex/TE on CPU, and torch's renamed collectives: expected, not news
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
     out = export_checkpoint(args.checkpoint, args.out_dir, args.iteration, int(args.max_shard_gib * 2**30))
     print(f"exported {args.checkpoint} to {out}")

@@ -28,7 +28,7 @@ import hydra
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from thdpack.packing.layout import Alignment, plan_layout
 
@@ -126,6 +126,14 @@ def setup_run(cfg: DictConfig) -> Run:
 
     _setup_logging()
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
+    pretrained = cfg.model.get("pretrained")
+    if pretrained:  # model=hf: the checkpoint's config.json decides the architecture (thdpack.hf)
+        from thdpack.hf.config import pretrained_model_group
+
+        with open_dict(cfg):
+            cfg.model = pretrained_model_group(
+                cfg.model, seq_length=int(data_cfg.seq_length), tp=int(parallel.tensor_model_parallel_size)
+            )
     packed = bool(data_cfg.pack_sequences_in_batch)
     runtime = setup.resolve_runtime(cfg.model, trainer)
     for warning in check_recipe(
@@ -167,6 +175,10 @@ def setup_run(cfg: DictConfig) -> Run:
     config = setup.transformer_config(cfg.model, parallel, runtime)
     vocab_size = setup.padded_vocab_size(cfg.model, tokenizer.vocab_size, config.tensor_model_parallel_size)
     model = setup.build_model(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
+    if pretrained:  # before the optimizer copies the weights into its fp32 main parameters
+        from thdpack.hf.load import load_pretrained
+
+        log.info("loaded %d tensors from %s", load_pretrained(model, pretrained), pretrained)
     optimizer, scheduler = setup.build_optimizer(trainer, model, config)
     batch_config = BatchConfig(
         pack_sequences_in_batch=packed,
@@ -255,6 +267,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     run = setup_run(cfg)
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
+    if ckpt_dir is not None and cfg.model.get("pretrained") and dist.get_rank() == 0:
+        from thdpack.hf.export import keep_with_checkpoint  # what python -m thdpack.export needs
+
+        keep_with_checkpoint(ckpt_dir, cfg.model, run.runtime.precision)
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
