@@ -2,10 +2,13 @@
 weights, no download) and saved with ``save_pretrained`` (safetensors).
 
     directory = save_model("qwen3", tmp_path / "qwen3")     # config.json, model.safetensors, tokenizer files
-    model = hf_model("qwen3", directory)                    # transformers' own model on those weights, fp32
+    model = hf_model(directory)                             # transformers' own model on those weights, fp32
+    model = build("qwen3")                                  # the same weights without the round trip to disk
 
-Every family: 2 layers, hidden 64, 4 query heads in 2 groups (GQA). Weights are drawn wider than transformers'
-initialisation (std 0.02 makes every logit about 0 and hides layout errors), norms around 1, biases non-zero.
+Every family: 2 layers, hidden 64, 4 query heads in 2 groups (GQA). RoPE is given as transformers 4 named it
+(``rope_theta``, ``rope_scaling``), which transformers 5 still takes and saves as ``rope_parameters``. Weights
+are drawn wider than transformers' initialisation (std 0.02 makes every logit about 0 and hides layout errors),
+norms around 1, biases non-zero.
 """
 
 from __future__ import annotations
@@ -52,13 +55,14 @@ FAMILIES = {
         dict(
             tie_word_embeddings=True,
             max_position_embeddings=131072,
-            rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING},
+            rope_theta=500000.0,
+            rope_scaling=LLAMA3_SCALING,
         ),
     ),
     "llama3_own_scaling": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(max_position_embeddings=256, rope_parameters={"rope_theta": 10000.0, **OWN_SCALING}),
+        dict(max_position_embeddings=256, rope_theta=10000.0, rope_scaling=OWN_SCALING),
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
