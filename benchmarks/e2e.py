@@ -149,7 +149,8 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from thdpack.megatron.setup import Runtime, transformer_config
+    from thdpack.megatron.config import padded_vocab_size, transformer_config
+    from thdpack.megatron.runtime import Runtime
     from thdpack.training.flops import FlopsModel
     from thdpack.training.loop import recipes_dir
 
@@ -176,7 +177,6 @@ def main() -> None:
         cfg.model, cfg.parallel, Runtime(device, "bf16" if device == "cuda" else "fp32", "torch")
     )
     from thdpack.data import build_tokenizer
-    from thdpack.megatron.setup import padded_vocab_size
 
     flops = FlopsModel.of(config, padded_vocab_size(cfg.model, build_tokenizer("byte").vocab_size, 1))
 

@@ -181,7 +181,7 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     from thdpack.hf.config import read_hf_config, rope_settings
     from thdpack.hf.export import hf_state, keep_with_checkpoint
     from thdpack.megatron.checkpoint import save_checkpoint
-    from thdpack.megatron.step import reduce_loss_report
+    from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.unwrap import unwrap_model
     from thdpack.training.loop import recipes_dir, setup_run, train_step
 
@@ -228,14 +228,14 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
         torch.cuda.empty_cache()
 
     reports, _, _ = train_step(run, batches)  # the first step's forward runs on the imported weights
-    first = [[float(x) for x in r["lm loss"]] for r in reports]
+    first = [[float(x) for x in r[LM_LOSS.key]] for r in reports]
     thd_loss = sum(s for s, _ in first) / sum(c for _, c in first)
     hf_loss = sum(reference["sums"]) / sum(reference["counts"])
-    losses = [float(reduce_loss_report(reports))]
+    losses = [float(LM_LOSS.reduce(reports))]
     step_started = time.perf_counter()
     for _ in range(args.steps - 1):
         reports, _, _ = train_step(run, run.data.next_step())
-        losses.append(float(reduce_loss_report(reports)))
+        losses.append(float(LM_LOSS.reduce(reports)))
     train_s = time.perf_counter() - step_started
 
     save_checkpoint(

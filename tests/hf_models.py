@@ -181,14 +181,14 @@ def megatron_model(
     directory, seq_length: int = 64, vocab_size: int | None = None, sequence_parallel: bool = False
 ):
     """thdpack's Megatron ``GPTModel`` of an HF directory for this rank's parallel layout (Megatron's parallel
-    state must be initialised), torch attention, fp32, weights loaded. ``vocab_size``: the model's vocabulary
-    instead of the recipe's (to force padding rows)."""
+    state must be initialised), as the training loop's ``hf`` family builds it (weights loaded), torch attention,
+    fp32, not wrapped. ``vocab_size``: the model's vocabulary instead of the recipe's (to force padding rows)."""
     from megatron.core import parallel_state as ps
 
     from thdpack.hf.config import pretrained_model_group
-    from thdpack.hf.load import load_pretrained
-    from thdpack.megatron.models import build_gpt_model
-    from thdpack.megatron.setup import Runtime, transformer_config
+    from thdpack.hf.family import HF
+    from thdpack.megatron.config import transformer_config
+    from thdpack.megatron.runtime import Runtime
 
     tp = ps.get_tensor_model_parallel_world_size()
     group = pretrained_model_group(
@@ -201,13 +201,6 @@ def megatron_model(
         "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "sequence_parallel": sequence_parallel,
     }
-    config = transformer_config(group, parallel, Runtime("cpu", "fp32", "torch"))
-    model = build_gpt_model(
-        config,
-        vocab_size or group["vocab_size"],
-        seq_length,
-        backend="torch",
-        share_embeddings_and_output_weights=group["share_embeddings_and_output_weights"],
-    )
-    load_pretrained(model, directory)
-    return model.eval()
+    runtime = Runtime("cpu", "fp32", "torch")
+    config = transformer_config(group, parallel, runtime)
+    return HF.build(group, config, vocab_size or group["vocab_size"], seq_length, runtime).eval()

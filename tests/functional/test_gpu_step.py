@@ -1,7 +1,7 @@
 """GPU: the recipe's training step in steady state makes no host-device sync on the packed path.
 
 The step is thdpack's forward step under Megatron's schedule (pack, CP shard, copies, forward, backward, the
-gradient reduction and the per-token division, ``thdpack.megatron.setup.finalize_grads_per_token``) followed by
+gradient reduction and the per-token division, ``thdpack.megatron.optimizer.finalize_grads_per_token``) followed by
 Megatron's optimizer step. The first part runs under ``torch.cuda.set_sync_debug_mode("error")``: any sync
 raises. Megatron's optimizer step reads the global gradient norm back to the host for clipping
 (``get_grad_norm``): that one sync per step is Megatron's and is counted here, so that a new one cannot slip in.
@@ -52,7 +52,7 @@ def _run(model: str, extra: list[str]):
     ids=["dense_budget", "dense_samples", "mrope"],
 )
 def test_packed_step_makes_no_sync_in_steady_state(model, extra):
-    from thdpack.megatron.setup import optimizer_step
+    from thdpack.megatron.optimizer import optimizer_step
     from thdpack.training.loop import _shutdown, forward_backward, train_step
     from thdpack.training.profiling import catch_syncs
 

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from thdpack.training.checks import ConfigError, check_recipe
 from thdpack.training.loop import recipes_dir
+from thdpack.training.recipe import resolve_recipe
 
 
 def recipe(*overrides: str):
@@ -17,8 +18,8 @@ def recipe(*overrides: str):
         return compose("train", overrides=list(overrides))
 
 
-def check(*overrides: str, world_size: int = 1, device: str = "cpu", backend: str = "torch") -> list[str]:
-    return check_recipe(recipe(*overrides), world_size=world_size, device=device, backend=backend)
+def check(*overrides: str, world_size: int = 1, device: str = "cpu") -> list[str]:
+    return check_recipe(resolve_recipe(recipe(*overrides), device), world_size=world_size, device=device)
 
 
 def fails(*overrides: str, match: str, **kwargs) -> None:
@@ -176,7 +177,7 @@ def test_allgather_dispatcher_under_ep_needs_a_token_bucket():
 
 
 def test_transformer_engine_attention_needs_a_gpu():
-    fails("model.attention_backend=te", match=r"model\.attention_backend=te needs a CUDA GPU", backend="te")
+    fails("model.attention_backend=te", match=r"model\.attention_backend=te needs a CUDA GPU")
 
 
 def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
@@ -185,12 +186,11 @@ def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
         "model.attention_backend=te",
         match=r"model\.attention_backend=te needs Transformer Engine",
         device="cuda",
-        backend="te",
     )
 
 
 def test_torch_attention_on_cuda_warns_that_rope_runs_unfused():
-    (warning,) = check("model.attention_backend=torch", device="cuda", backend="torch")
+    (warning,) = check("model.attention_backend=torch", device="cuda")
     assert warning.startswith("attention_backend=torch on CUDA: RoPE runs unfused")
 
 
@@ -204,3 +204,27 @@ def test_warmup_must_end_before_the_decay():
 
 def test_on_nonfinite_is_error_or_skip():
     fails("trainer.on_nonfinite=ignore", match=r"trainer\.on_nonfinite is 'ignore': it must be error or skip")
+
+
+def test_an_unknown_alignment_mode_is_named():
+    fails("dataset.mode=interleaved", match=r"dataset\.mode is 'interleaved': Alignment\.mode must be one of")
+
+
+def test_token_bucket_must_hold_the_fp8_alignment():
+    # FP8 GEMMs need 16 tokens per rank: under TP2 + SP a row is a multiple of 32.
+    fails(
+        "parallel=tp2",
+        "parallel.sequence_parallel=true",
+        "+model.config.fp8=hybrid",
+        "dataset.pad_total_to=4112",
+        match=r"dataset\.pad_total_to=4112 must be a multiple of 32 .*fp8=True",
+        world_size=2,
+    )
+
+
+def test_an_unknown_model_key_is_named_with_the_family_s_keys():
+    fails("+model.rope_scaling=2", match=r"model has unknown keys \['rope_scaling'\]: the 'gpt' family reads")
+
+
+def test_an_unknown_model_family_is_named():
+    fails("model.family=t5", match=r"model\.family is 't5': known families are \['gpt'")

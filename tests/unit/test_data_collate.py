@@ -52,6 +52,7 @@ def test_dtypes_and_shapes():
         "labels": (torch.int64, (2, 8)),
         "loss_mask": (torch.float32, (2, 8)),
         "attention_mask": (torch.int64, (2, 8)),
+        "seq_lengths": (torch.int64, (2,)),
         "mrope_position_ids": (torch.int64, (3, 2, 8)),
     }
 

@@ -335,3 +335,18 @@ def test_build_train_data_on_the_embedded_corpus(tmp_path, monkeypatch):
         for batch in data.next_step():
             assert batch["tokens"][0, 0] == data.tokenizer.bos_id
     assert data.samples_seen == 12 and data.truncated > 0
+
+
+def test_build_train_data_takes_the_dataset_group_of_a_shipped_recipe(tmp_path, monkeypatch):
+    # micro_batch_tokens: auto in the shipped recipe means micro_batch_size x seq_length tokens when packing.
+    from hydra import compose, initialize_config_dir
+
+    from thdpack.training.loop import recipes_dir
+
+    monkeypatch.setenv("THDPACK_CACHE", str(tmp_path))
+    with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["dataset.max_files=10"])
+    assert cfg.dataset.micro_batch_tokens == "auto"
+    data = build_train_data(cfg.dataset, dp_rank=0, dp_size=1, seed=0)
+    assert data.micro_batch_tokens == cfg.dataset.micro_batch_size * cfg.dataset.seq_length
+    assert sum(int(b["attention_mask"].sum()) for b in data.next_step()) > 0

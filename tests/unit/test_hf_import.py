@@ -205,15 +205,19 @@ def test_a_tied_checkpoint_may_keep_lm_head_only_equal_to_the_embedding(tmp_path
 @pytest.mark.parametrize("load_first", [True, False])
 def test_bf16_weights_must_load_before_the_distributed_optimizer_copies_them(hf_dirs, load_first):
     """Megatron's distributed optimizer takes its fp32 main parameters from the bf16 model at construction:
-    weights loaded later never reach them (and the first update would bring the random ones back). The training
-    loop loads in between build_model and build_optimizer."""
+    weights loaded later never reach them (and the first update would bring the random ones back). The hf
+    family loads inside its build, before the loop wraps the model and builds the optimizer."""
     from thdpack.hf.config import pretrained_model_group
     from thdpack.hf.load import load_pretrained
-    from thdpack.megatron import setup
+    from thdpack.megatron.config import transformer_config
+    from thdpack.megatron.distributed import wrap_model
+    from thdpack.megatron.families import GPT
+    from thdpack.megatron.optimizer import build_optimizer
+    from thdpack.megatron.runtime import Runtime
 
     directory = hf_dirs["llama2"]
     group = pretrained_model_group({"pretrained": str(directory)}, seq_length=64, tp=1)
-    runtime = setup.Runtime("cpu", "bf16", "torch")
+    runtime = Runtime("cpu", "bf16", "torch")
     ones = dict.fromkeys(
         (
             "tensor_model_parallel_size",
@@ -223,15 +227,18 @@ def test_bf16_weights_must_load_before_the_distributed_optimizer_copies_them(hf_
         ),
         1,
     )
-    config = setup.transformer_config(group, ones, runtime)
-    model = setup.build_model(group, config, group["vocab_size"], 64, runtime)
+    config = transformer_config(group, ones, runtime)
+    module = GPT.build(
+        group, config, group["vocab_size"], 64, runtime
+    )  # the hf family's build, before loading
     trainer = dict(
         lr=1e-3, min_lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0,
         train_iters=2, lr_warmup_iters=0, lr_decay_style="cosine",
     )  # fmt: skip
     if load_first:
-        load_pretrained(model, directory)
-    optimizer, _ = setup.build_optimizer(trainer, model, config)
+        load_pretrained(module, directory)
+    model = wrap_model(module, config, runtime)
+    optimizer, _ = build_optimizer(trainer, model, config)
     if not load_first:
         load_pretrained(model, directory)
     same = []

@@ -298,11 +298,13 @@ def test_to_keeps_the_same_object_rule():
 
 
 def test_packed_seq_params_follow_the_te_fast_path_rule():
-    fast = pack_bshd(design_example_batch()).packed_seq_params()
+    from thdpack.megatron.packed_seq_params import thd_packed_seq_params
+
+    fast = thd_packed_seq_params(pack_bshd(design_example_batch()))
     assert fast.qkv_format == "thd"
     assert fast.cu_seqlens_q_padded is fast.cu_seqlens_q and fast.cu_seqlens_kv is fast.cu_seqlens_q
     assert fast.max_seqlen_q == 4 and isinstance(fast.max_seqlen_q, int)
-    distinct = pack_bshd(design_example_batch(), alignment=Alignment(cp_size=2)).packed_seq_params()
+    distinct = thd_packed_seq_params(pack_bshd(design_example_batch(), alignment=Alignment(cp_size=2)))
     assert distinct.cu_seqlens_q.tolist() == [0, 3, 5, 9]
     assert distinct.cu_seqlens_q_padded.tolist() == [0, 4, 8, 12]
 
@@ -313,10 +315,10 @@ def test_packed_seq_params_declare_host_copies_of_the_boundaries(alignment):
     # the host copies are the layout's, and are one object exactly when the device boundaries are.
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from thdpack.megatron.packed_seq_params import THDPackedSeqParams
+    from thdpack.megatron.packed_seq_params import THDPackedSeqParams, thd_packed_seq_params
 
     p = pack_bshd(design_example_batch(), alignment=alignment)
-    params = p.packed_seq_params()
+    params = thd_packed_seq_params(p)
     assert isinstance(params, THDPackedSeqParams) and isinstance(params, PackedSeqParams)
     assert params.cu_seqlens_q_host is p.layout.cu_seqlens
     assert params.cu_seqlens_q_padded_host is p.layout.cu_seqlens_padded

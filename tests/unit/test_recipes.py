@@ -7,15 +7,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from thdpack.megatron.setup import Runtime, padded_vocab_size, transformer_config
+from thdpack.megatron.config import padded_vocab_size, transformer_config
+from thdpack.megatron.runtime import Runtime
 from thdpack.training.checks import check_recipe
 from thdpack.training.flops import FlopsModel
 from thdpack.training.loop import recipes_dir
+from thdpack.training.recipe import resolve_recipe
 
 MODELS = sorted(p.stem for p in (recipes_dir() / "model").glob("*.yaml"))
-PRESETS = [
-    m for m in MODELS if m != "hf"
-]  # model=hf: the architecture comes from model.pretrained's config.json
+# model=hf takes its architecture from model.pretrained's config.json
+PRESETS = [m for m in MODELS if m != "hf"]
 
 
 def _compose(*overrides):
@@ -50,40 +51,36 @@ def test_model_recipe_builds_a_transformer_config(model):
         assert sum(cfg.model.config.mrope_section) == head_dim // 2
 
 
-def test_hf_recipe_builds_the_transformer_config_of_its_config_json(tmp_path):
+def test_hf_recipe_resolves_to_the_transformer_config_of_its_config_json(tmp_path):
     import json
 
-    from thdpack.hf.config import pretrained_model_group
-
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["Qwen3ForCausalLM"],
-                "model_type": "qwen3",
-                "vocab_size": 301,
-                "hidden_size": 64,
-                "intermediate_size": 96,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 24,
-                "hidden_act": "silu",
-                "rms_norm_eps": 1e-6,
-            }
-        )
+    qwen3 = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 301,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(qwen3))
+    overrides = (
+        "model=hf",
+        f"model.pretrained={tmp_path}",
+        "parallel=tp2",
+        "model.config.hidden_dropout=0.1",
     )
-    cfg = _compose(
-        "model=hf", f"model.pretrained={tmp_path}", "parallel=tp2", "model.config.hidden_dropout=0.1"
-    )
-    group = pretrained_model_group(cfg.model, seq_length=64, tp=2)
-    config = transformer_config(group, cfg.parallel, Runtime("cpu", "fp32", "torch"))
-    assert (config.num_layers, config.kv_channels, config.qk_layernorm, config.hidden_dropout) == (
-        2,
-        24,
-        True,
-        0.1,
-    )
-    assert padded_vocab_size(group, 259, 2) == 302  # the checkpoint's 301 ids, padded for TP2
+    cfg = resolve_recipe(_compose(*overrides), device="cpu")
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
+    assert (config.num_layers, config.kv_channels, config.qk_layernorm) == (2, 24, True)
+    assert config.hidden_dropout == 0.1  # a recipe key config.json does not fix
+    assert padded_vocab_size(cfg.model, 259, 2) == 302  # the checkpoint's 301 ids, padded for TP2
+    assert cfg.model.family == "thdpack.hf.family:HF"
+    check_recipe(cfg, world_size=2, device="cpu")
 
 
 def test_llama3_1b_flops_model_counts_its_gemm_parameters():
@@ -98,7 +95,7 @@ def test_llama3_1b_flops_model_counts_its_gemm_parameters():
 
 
 def test_default_recipe_passes_the_start_up_checks_on_one_cpu_process():
-    assert check_recipe(_compose(), world_size=1, device="cpu", backend="torch") == []
+    assert check_recipe(resolve_recipe(_compose(), "cpu"), world_size=1, device="cpu") == []
 
 
 def test_unknown_transformer_config_key_is_named():
@@ -108,9 +105,9 @@ def test_unknown_transformer_config_key_is_named():
 
 
 def test_runtime_defaults_follow_the_device():
-    from thdpack.megatron.setup import resolve_runtime
+    from thdpack.megatron.runtime import resolve_runtime
 
     cfg = _compose()
-    runtime = resolve_runtime(cfg.model, cfg.trainer)
+    runtime = resolve_runtime(cfg.trainer.precision, cfg.model.attention_backend)
     expected = ("cuda", "bf16", "te") if torch.cuda.is_available() else ("cpu", "fp32", "torch")
     assert (runtime.device, runtime.precision, runtime.backend) == expected

@@ -102,7 +102,7 @@ INTEGER_MASK_CASES = [
     ],
 )
 def test_integer_mask_checked_alike_in_every_integer_dtype(rows, expected, dtype):
-    # The value check reads the mask as unsigned integers of its width (a negative value is then huge).
+    # Every integer width and signedness numpy reads: the same samples, or the same error.
     mask = torch.tensor(rows, dtype=dtype)
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from thdpack.packing.labels import IGNORE_INDEX, no_target
+
 from .samples import Sample
 
 __all__ = ["IGNORE_INDEX", "PAD_TO", "collate"]
 
-IGNORE_INDEX = -100  # "no target" in labels (HF's and Megatron-Bridge's convention; thdpack's default)
 PAD_TO = ("seq_length", "longest")
 
 
@@ -37,8 +38,10 @@ def collate(
         ``tokens`` int64 ``[B, S]`` (``pad_id`` on pad);
         ``labels`` int64 ``[B, S]``, shifted within each row: ``labels[b, i] = tokens[b, i + 1]`` when position
         ``i + 1`` is a real token and a target (``target_mask[i + 1]``), else ``IGNORE_INDEX``;
-        ``loss_mask`` float32 ``[B, S]``, ``labels != IGNORE_INDEX``;
+        ``loss_mask`` float32 ``[B, S]``, 1 where the label is a target (:func:`thdpack.packing.labels.no_target`);
         ``attention_mask`` int64 ``[B, S]``, 1 on real tokens (a prefix of each row), 0 on pad;
+        ``seq_lengths`` int64 ``[B]``, the real tokens of each row (what the packer takes instead of decoding
+        the mask);
         with ``mrope``: ``mrope_position_ids`` int64 ``[3, B, S]``, text-only ids: every axis is the position
         within the sample (pad continues counting), i.e. ``0 .. S - 1`` on every row.
     """
@@ -71,8 +74,9 @@ def collate(
     batch = {
         "tokens": torch.from_numpy(tokens),
         "labels": torch.from_numpy(labels),
-        "loss_mask": torch.from_numpy((labels != IGNORE_INDEX).astype(np.float32)),
+        "loss_mask": torch.from_numpy((~no_target(labels)).astype(np.float32)),
         "attention_mask": torch.from_numpy((np.arange(S) < lengths[:, None]).astype(np.int64)),
+        "seq_lengths": torch.from_numpy(lengths),
     }
     if mrope:
         batch["mrope_position_ids"] = torch.arange(S, dtype=torch.int64).expand(3, B, S).contiguous()

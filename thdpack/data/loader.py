@@ -33,7 +33,7 @@ from .budget import DEFAULT_COST_WEIGHTS, plan_microbatches
 from .collate import PAD_TO, collate
 from .samples import Sample, SampleDataset
 
-__all__ = ["OVERLONG", "TrainData", "build_dataset", "build_train_data"]
+__all__ = ["OVERLONG", "TrainData", "build_dataset", "build_train_data", "micro_batch_tokens"]
 
 OVERLONG = ("truncate", "drop", "error")
 DATASETS = ("embedded", "jsonl", "megatron_indexed", "synthetic")
@@ -255,6 +255,24 @@ def build_dataset(
 _MISSING = object()
 
 
+def micro_batch_tokens(dataset_cfg: Mapping) -> int | None:
+    """The token budget of a micro-batch from a recipe's ``dataset`` mapping: ``micro_batch_tokens``, where
+    ``auto`` (the default) means the tokens the padded micro-batch would hold (``micro_batch_size x
+    seq_length``) when packing and fixed micro-batches of ``micro_batch_size`` samples when not; None =
+    ``micro_batch_size`` samples."""
+    budget = dataset_cfg.get("micro_batch_tokens", "auto")
+    if not dataset_cfg.get("pack_sequences_in_batch", True):
+        if budget not in (None, "auto"):
+            raise ValueError(
+                f"dataset.micro_batch_tokens={budget} needs dataset.pack_sequences_in_batch=true: the padded "
+                "baseline batches micro_batch_size samples (set micro_batch_tokens=null)"
+            )
+        return None
+    if budget == "auto":
+        return int(dataset_cfg["micro_batch_size"]) * int(dataset_cfg["seq_length"])
+    return None if budget is None else int(budget)
+
+
 def build_train_data(
     dataset_cfg: Mapping, *, dp_rank: int, dp_size: int, seed: int, tokenizer=None, dataset=None, **overrides
 ) -> TrainData:
@@ -262,10 +280,11 @@ def build_train_data(
 
     Keys: ``name`` (required), ``path`` (required for ``jsonl`` and ``megatron_indexed``), ``seq_length``,
     ``global_batch_size`` (required), ``micro_batch_size`` (required unless ``micro_batch_tokens`` is set),
-    ``micro_batch_tokens`` (null), ``tokenizer`` (``"byte"``), ``shuffle`` (true), ``overlong``
+    ``micro_batch_tokens`` (``auto``, see :func:`micro_batch_tokens`), ``tokenizer`` (``"byte"``), ``shuffle`` (true), ``overlong``
     (``"truncate"``), ``pad_to`` (``"seq_length"``), ``mrope`` (false), ``cost_weights`` (``[a, b]``),
     ``max_files`` (``embedded`` only). Other keys (``pack_sequences_in_batch``, ``mode``, ...) belong to the
-    training loop and are ignored here.
+    training loop and are ignored here (``pack_sequences_in_batch`` decides what ``micro_batch_tokens: auto``
+    means).
 
     ``tokenizer``: an already built tokenizer; None builds ``dataset_cfg.tokenizer``. The result carries it as
     ``.tokenizer`` (``vocab_size`` for the model). ``dataset``: an already built dataset (e.g. a split of it);
@@ -283,7 +302,7 @@ def build_train_data(
         from .tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(get("tokenizer", "byte"))
-    micro_batch_tokens = get("micro_batch_tokens", None)
+    budget = micro_batch_tokens(dataset_cfg)
     if dataset is None:
         dataset = build_dataset(
             get("name"),
@@ -296,10 +315,8 @@ def build_train_data(
         dataset,
         seq_length=int(get("seq_length")),
         global_batch_size=int(get("global_batch_size")),
-        micro_batch_size=get("micro_batch_size")
-        if micro_batch_tokens is None
-        else get("micro_batch_size", None),
-        micro_batch_tokens=micro_batch_tokens,
+        micro_batch_size=get("micro_batch_size") if budget is None else get("micro_batch_size", None),
+        micro_batch_tokens=budget,
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=seed,

@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "ARCHITECTURE_KEYS",
+    "HF_FAMILY",
     "ARCHITECTURES",
     "HFConfigError",
     "model_group",
@@ -87,6 +88,8 @@ ARCHITECTURE_KEYS = frozenset({
     "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_score_function", "moe_layer_freq",
 })
 # fmt: on
+# The model family (thdpack.megatron.families) that builds a pretrained model and loads its weights.
+HF_FAMILY = "thdpack.hf.family:HF"
 _TOP_LEVEL = ("position_embedding_type", "rotary_base", "vocab_size", "share_embeddings_and_output_weights")
 
 
@@ -374,4 +377,10 @@ def pretrained_model_group(recipe_model: Mapping[str, Any], *, seq_length: int, 
             )
         recipe.pop(key, None)
     recipe.pop("name", None)
-    return {**group, **recipe, "pretrained": str(directory)}
+    family = recipe.pop("family", None)
+    if family not in (None, "gpt", HF_FAMILY):
+        raise HFConfigError(
+            f"model.family is '{family}' but model.pretrained is set: Hugging Face checkpoints are built by the "
+            f"'{HF_FAMILY}' family (leave model.family unset)"
+        )
+    return {**group, **recipe, "family": HF_FAMILY, "pretrained": str(directory)}

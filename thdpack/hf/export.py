@@ -176,9 +176,10 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    from thdpack.megatron.config import transformer_config
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
     from thdpack.megatron.models import build_gpt_model
-    from thdpack.megatron.setup import Runtime, transformer_config
+    from thdpack.megatron.runtime import Runtime
 
     record = json.loads((Path(hf_dir) / "thdpack.json").read_text())
     model = dict(record["model"])

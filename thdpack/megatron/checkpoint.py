@@ -107,7 +107,9 @@ def load_checkpoint(
 
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         # A fresh torch Adam has no state to load into (its state_dict() then fails): Megatron's own dummy
-        # initialisation (one step with zero gradients) creates it; the loaded state replaces all of it.
+        # initialisation (one step with zero gradients) creates it; the loaded state replaces all of it. The
+        # helper is private (megatron-core 0.16.1 distrib_optimizer.py:1137); Megatron calls it itself only
+        # when loading the fsdp_dtensor format (distrib_optimizer.py:1357), not the dp_reshardable one used here.
         inner = getattr(sub, "optimizer", None)
         if inner is not None and not inner.state and hasattr(sub, "_init_optimizer_states_with_dummy_values"):
             sub._init_optimizer_states_with_dummy_values()
@@ -123,10 +125,11 @@ def load_checkpoint(
 
 
 def _restore_adam_steps(optimizer, loaded) -> None:
-    """Without Transformer Engine or Apex, megatron-core (0.16) keeps torch Adam's per-parameter ``step`` in the
-    checkpoint's param groups, but loading leaves every parameter with the step of the optimizer it loaded into
-    (one shared tensor, which torch then increments once per parameter): the bias correction is wrong from the
-    first resumed update on. Give each parameter its own tensor holding the checkpoint's step."""
+    """Without Transformer Engine or Apex, megatron-core keeps torch Adam's per-parameter ``step`` in the
+    checkpoint's param groups, but loading gives every parameter one shared step tensor (0.16.1
+    ``DistributedOptimizer.load_state_dict`` sets ``s["step"] = step`` for every state,
+    distrib_optimizer.py:817-824), which torch's Adam then increments once per parameter: the bias correction is
+    wrong from the first resumed update on. Give each parameter its own tensor holding the checkpoint's step."""
     steps = set(_param_group_steps(loaded))
     if len(steps) != 1:
         return  # TE's FusedAdam keeps the step in its param groups, which load as they are

@@ -1,8 +1,9 @@
 """Megatron-core without Transformer Engine, on any device: what the torch backend needs.
 
-`moe_utils.RouterGatingLinearFunction` tests the module global `te_general_gemm is not None`, but
-megatron-core (0.16) defines that global only when Transformer Engine imports, so an MoE router without TE
-raises `NameError` on a GPU as on a CPU. Defining it as None selects the router's plain `torch.mm` path,
+`moe_utils.RouterGatingLinearFunction` tests the module global `te_general_gemm is not None`
+(megatron-core 0.16.1 transformer/moe/moe_utils.py:1192), but defines that global only inside its
+`try: from megatron.core.extensions.transformer_engine import ...` (moe_utils.py:34), so an MoE router without
+TE raises `NameError` on a GPU as on a CPU. Defining it as None selects the router's plain `torch.mm` path,
 which is what Megatron means to run without TE.
 """
 

@@ -10,38 +10,45 @@ would raise on a CPU-only torch ("Torch not compiled with CUDA enabled", a NameE
 Transformer Engine, ...) into its CPU equivalent, so it never changes a code path that already
 worked. Call it only in processes that run megatron-core on CPU.
 
-Patches (megatron-core file: function, and why):
+Patches (megatron-core file: function, and why). Each was checked on megatron-core 0.16.1 (line numbers are
+that release's; `check_mcore_version` refuses any other version unless THDPACK_CPU_ALLOW_UNKNOWN_MCORE=1).
+megatron-core has no device setting or hook for any of them: it targets CUDA only.
 
 1. "cuda" means the CPU inside these modules, whose functions hard-code the CUDA device inline
    (`device=torch.cuda.current_device()`, `device="cuda"`, CUDA streams, `torch.cuda.synchronize()`):
    the module's global `torch` is rebound to a stand-in that is torch except that `cuda.current_device()`
    is "cpu", factories map device "cuda" to "cpu", streams/events are no-ops (a CPU has one stream,
    always synchronised) and `cuda.synchronize()` does nothing. `torch.cuda` itself is never touched.
-   See `_CUDA_PINNED_MODULES` for the module list and the function in each that needs it.
-2. transformer/moe/moe_utils.py: `RouterGatingLinearFunction` reads the global `te_general_gemm`,
-   which is only defined when Transformer Engine imports: define it as None (plain torch.mm path;
-   `thdpack.megatron.compat`, which the torch backend also applies on a GPU).
+   See `_CUDA_PINNED_MODULES` for the module list and the function in each that needs it. The module
+   attribute `torch` is what those functions read at call time; rebinding it (not torch.cuda, not the
+   functions) keeps the change inside megatron-core.
+2. transformer/moe/moe_utils.py: `RouterGatingLinearFunction` (moe_utils.py:1192) reads the global
+   `te_general_gemm`, which is only defined when Transformer Engine imports: define it as None (plain
+   torch.mm path; `thdpack.megatron.compat`, which the torch backend also applies on a GPU).
 3. tensor_parallel/random.py: `CudaRNGStatesTracker` and `model_parallel_cuda_manual_seed` keep
    CUDA generator states. `model_parallel_cpu_manual_seed` installs `CpuRNGStatesTracker` (same
-   seeds, CPU generator), and `_get_cuda_rng_state` / `_set_cuda_rng_state` (used by activation
-   recompute, `CheckpointFunction`) read and write the CPU generator.
-4. transformer/torch_norm.py: `WrappedTorchNorm` refuses `sequence_parallel` because it does not mark
+   seeds, CPU generator) in the private globals `_CUDA_RNG_STATE_TRACKER` /
+   `_CUDA_RNG_STATE_TRACKER_INITIALIZED` (random.py:282; `initialize_rng_tracker`, random.py:286, only
+   chooses between Megatron's and TE's CUDA trackers, so there is no public way in), and
+   `_get_cuda_rng_state` / `_set_cuda_rng_state` (random.py:41 and 72, used by activation recompute,
+   `CheckpointFunction`) read and write the CPU generator.
+4. transformer/torch_norm.py: `WrappedTorchNorm` (torch_norm.py:32) refuses `sequence_parallel` because it does not mark
    its weights; the local spec's sequence-parallel norm is Apex's (CUDA-only). We build the torch norm
    and mark its weights `sequence_parallel=True` like Apex/TE norms do, so `finalize_model_grads`
    all-reduces their gradients over the tensor-parallel group (`thdpack.megatron.norm`, whose `TorchNorm`
    thdpack's own torch layer spec uses on any device; this patch covers Megatron's spec and the block's
    final norm when Transformer Engine is absent).
 5. transformer/moe/token_dispatcher.py (alltoall dispatcher): `maybe_move_tensor_to_cpu(as_numpy=True)`
-   only converts CUDA tensors, so on CPU the all-to-all split sizes stay tensors, which
+   (moe_utils.py:1078, imported into token_dispatcher) only converts CUDA tensors, so on CPU the all-to-all split sizes stay tensors, which
    `all_to_all_single` rejects: convert CPU tensors to numpy as well.
 6. models/common/language_module/language_module.py: `setup_embeddings_and_output_layer` calls
-   `weight.data.cuda()` on the tied output embedding of the last pipeline stage. A Tensor method
+   `weight.data.cuda()` (language_module.py:244) on the tied output embedding of the last pipeline stage. A Tensor method
    cannot be rebound per module, so `Tensor.cuda` is the identity only while that one function runs
    (once per model build).
 
-7. optimizer/distrib_optimizer.py `DistributedOptimizer.__init__` and optimizer/clip_grads.py
-   `clip_grad_by_total_norm_fp32` accept parameters and gradients by their type names
-   (`param.type() == "torch.cuda.FloatTensor"`): while those two functions run, `Tensor.type()` with no
+7. optimizer/distrib_optimizer.py `DistributedOptimizer.__init__` (distrib_optimizer.py:361, 420, 582) and
+   optimizer/clip_grads.py `clip_grad_by_total_norm_fp32` (clip_grads.py:167) accept parameters and gradients
+   by their type names (`param.type() == "torch.cuda.FloatTensor"`): while those two functions run, `Tensor.type()` with no
    argument names a CPU tensor's type as its CUDA counterpart.
 
 Collectives: gloo in torch 2.13 implements everything tensor_parallel, the pipeline schedules and the

@@ -36,6 +36,21 @@ The fix, per model instance (no global patch; models without MRoPE are untouched
 :func:`enable_packed_mrope` installs both. After it, MRoPE ids must always be the rank's own ids (sliced
 like the tokens), in THD and BSHD batches alike, and every pipeline stage needs them (``_preprocess``
 computes the rotary on every stage).
+
+What this relies on in megatron-core (checked on 0.16.1; the line numbers are that release's):
+
+- ``GPTModel.rotary_pos_emb`` and its call in ``GPTModel._preprocess`` (models/gpt/gpt_model.py:388,
+  ``self.rotary_pos_emb(position_ids, self.mrope_section, cp_group=...)``): the module is swapped per model.
+- ``Attention.forward`` (transformer/attention.py:875) taking ``rotary_pos_emb``, ``packed_seq_params`` and
+  ``inference_context`` by these names, and calling ``self.core_attention(..., packed_seq_params=...)`` with
+  query and key first (attention.py:1142): the pre-hooks bind and rewrite those arguments.
+- Two private helpers, called as Megatron itself calls them: ``rope_utils._apply_rotary_pos_emb_bshd``
+  (models/common/embeddings/rope_utils.py:92; the public ``apply_rotary_pos_emb`` reaches it for
+  ``cu_seqlens=None`` too, but first reads ``parallel_state.get_context_parallel_group()``, which a model
+  built with its own process groups need not have) and
+  ``yarn_rotary_pos_embedding._yarn_get_concentration_factor_from_config`` (yarn_rotary_pos_embedding.py:274,
+  the ``mscale`` Attention.forward passes at attention.py:1102). ``rope_utils.fused_apply_rotary_pos_emb`` is
+  the public TE kernel (None without Transformer Engine).
 """
 
 from __future__ import annotations

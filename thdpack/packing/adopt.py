@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .assemble import assemble
+from .labels import IGNORE_INDEX
 from .layout import INT32_MAX, PackLayout
 from .packed_batch import PackedBatch
 from .segments import Segments
@@ -36,7 +37,7 @@ _METADATA = ("token_count", "metadata", "total_tokens", "attention_mask")
 
 
 def from_packed_batch(
-    batch: Mapping[str, torch.Tensor], *, pad_token_id: int = 0, ignore_index: int = -100
+    batch: Mapping[str, torch.Tensor], *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
 ) -> PackedBatch:
     """Adopt an already-packed Megatron-Bridge / NeMo batch (one THD row) as a :class:`PackedBatch`.
 

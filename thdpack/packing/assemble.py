@@ -21,6 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import paths
+from .labels import no_target
 from .layout import PackLayout, cumsum0
 from .packed_batch import PackedBatch, to_device
 from .positions import pack_mrope_position_ids
@@ -55,7 +57,7 @@ def assemble(
     table = _segment_table(
         segments, layout, S, derive_labels=labels is None, labels_cross_samples=labels_cross_samples
     )
-    if tokens.is_cpu:
+    if paths.numpy_path(tokens):
         plan, cu_padded, cu = _expand_on_host(table), layout.cu_seqlens_padded, layout.cu_seqlens
     else:
         plan, cu_padded, cu = _expand_on_device(table, layout, tokens.device)
@@ -223,18 +225,15 @@ def _gather_outputs(
     of numpy arrays (host batch: numpy gathers) or of tensors on the batch's device."""
     source = tokens if labels is None else labels
     if isinstance(plan.gather, np.ndarray):  # host: every output stays numpy until it is done
-        # Token ids are checked on the packed row (pad holds pad_token_id >= 0): one pass over [T]. A negative
-        # label is no target whatever its value (ignore_index, or -1 from another convention): it stays as given
-        # and the loss mask is 0 there.
+        # Token ids are checked on the packed row (pad holds pad_token_id >= 0): one pass over [T]. A label that
+        # is no target (labels.no_target) stays as given and the loss mask is 0 there.
         tokens_np = _take_host(tokens, plan.gather, plan.pad_index, pad_token_id)  # integer dtypes numpy has
         if tokens_np.min() < 0:
             raise _first_bad(
                 "tokens", tokens_np, tokens_np < 0, "token ids must be >= 0 (the embedding reads them)"
             )
         labels_np = _take_host(source, plan.label_index, plan.no_target, ignore_index, np.int64)
-        no_count = labels_np < 0
-        if ignore_index >= 0:
-            no_count |= labels_np == ignore_index
+        no_count = no_target(labels_np, ignore_index)
         if loss_mask is None:
             loss_mask_np = np.logical_not(no_count).astype(np.float32)
         else:
@@ -248,9 +247,7 @@ def _gather_outputs(
         )
     packed_tokens = _take(tokens, plan.gather, plan.pad_index, pad_token_id)
     packed_labels = _take(source, plan.label_index, plan.no_target, ignore_index).long()
-    no_count = packed_labels < 0  # as on the host
-    if ignore_index >= 0:
-        no_count |= packed_labels == ignore_index
+    no_count = no_target(packed_labels, ignore_index)
     if loss_mask is None:
         packed_loss_mask = (~no_count).float()
     else:

@@ -95,6 +95,21 @@ class Alignment:
             multiple = math.lcm(multiple, self.fp8_multiple * tokens_per_gemm_rank)
         return multiple
 
+    def row_tokens(self, lengths: np.ndarray) -> tuple[np.ndarray, int]:
+        """``(physical lengths, body)`` of samples of these real ``lengths`` (int64 numpy ``[N]``): each padded to
+        ``sample_multiple``, and their sum (the row before the trailing pad segment)."""
+        m = self.sample_multiple
+        if m == 1:
+            return lengths, int(lengths.sum())
+        padded = (lengths + m - 1) // m * m
+        return padded, int(padded.sum())
+
+    def total_tokens(self, lengths: np.ndarray) -> int:
+        """Tokens of the packed row for samples of these real ``lengths`` (int64 numpy ``[N]``): what
+        :func:`plan_layout` gives as ``total_tokens``, without building the layout."""
+        total = -(-self.row_tokens(lengths)[1] // self.total_multiple) * self.total_multiple
+        return total if self.pad_total_to is None else max(total, self.pad_total_to)
+
 
 @dataclass(frozen=True)
 class PackLayout:
@@ -174,10 +189,8 @@ def layout_of(lengths: torch.Tensor, real: np.ndarray, alignment: Alignment) -> 
     """:func:`plan_layout` after its entrance checks, ``real`` being ``lengths`` as int64 numpy (for callers
     whose lengths are valid by construction, e.g. ``pack_bshd``'s segments)."""
     a = alignment
-    m = a.sample_multiple
     num_real = int(real.sum())
-    padded = real if m == 1 else (real + m - 1) // m * m
-    body = num_real if m == 1 else int(padded.sum())
+    padded, body = a.row_tokens(real)
     total = -(-body // a.total_multiple) * a.total_multiple
     if total > INT32_MAX:
         raise ValueError(
@@ -214,7 +227,7 @@ def _layout(
     # boundaries").
     cu = cu_padded if attn is None else cumsum0(attn, np.int32)
     padded_t, cu_padded_t = torch.from_numpy(padded), torch.from_numpy(cu_padded)
-    layout = PackLayout(
+    return PackLayout(
         lengths=lengths,
         padded_lengths=padded_t,
         attn_lengths=padded_t if attn is None else torch.from_numpy(attn),
@@ -224,8 +237,6 @@ def _layout(
         total_tokens=total,
         num_real_tokens=num_real,
     )
-    layout.__dict__["arrays"] = (padded, cu_padded, cu)  # known: the cached property need not convert
-    return layout
 
 
 def cumsum0(x, dtype=None):

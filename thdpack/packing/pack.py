@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .assemble import assemble
+from .labels import IGNORE_INDEX
 from .layout import Alignment, cumsum0, layout_of
 from .packed_batch import PackedBatch, to_device
 from .segments import Segments, segments_of
@@ -28,7 +29,7 @@ def pack_bshd(
     alignment: Alignment = Alignment(),  # noqa: B008 - frozen dataclass, safe as a default
     segments: Segments | None = None,
     pad_token_id: int = 0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> PackedBatch:
     """Pack a padded BSHD batch into one THD row.
 
@@ -37,11 +38,14 @@ def pack_bshd(
             ``[B, S]``, ``B, S >= 1``; optional ``labels`` integer ``[B, S]`` (already shifted within each row,
             Megatron's convention), ``loss_mask`` ``[B, S]`` (bool, integer or float), ``attention_mask`` (any
             form :func:`find_segments` takes: ``[B, S]`` or ``[B, 1, S, S]``), ``position_ids`` integer
-            ``[B, S]``, ``mrope_position_ids`` integer ``[3, B, S]``, and any other ``[B, S]`` tensor (gathered
-            the same way into ``extra``). A key whose value is None is absent.
+            ``[B, S]``, ``mrope_position_ids`` integer ``[3, B, S]``, ``seq_lengths`` integer host ``[B]`` (the
+            real tokens of each right-padded row, one sample a row, as a loader knows them: then the mask is not
+            read), and any other ``[B, S]`` tensor (gathered the same way into ``extra``). A key whose value is
+            None is absent.
         alignment: how to pad for CP/TP/SP/FP8 and buckets; see :class:`Alignment`.
         segments: the real samples, if already known (e.g. from the host mask while the batch is on the GPU:
-            then packing costs no device sync). Default: ``find_segments(attention_mask, position_ids=...)``.
+            then packing costs no device sync). Default: one sample a row from ``seq_lengths``, else
+            ``find_segments(attention_mask, position_ids=...)``.
         pad_token_id: token written on pad (an int >= 0: pad goes through the embedding too).
         ignore_index: label written where no target exists.
 
@@ -77,7 +81,13 @@ def pack_bshd(
     tokens, labels, loss_mask = fields.tokens, fields.labels, fields.loss_mask
     check_fill_values(pad_token_id, ignore_index)
     B, S = tokens.shape
-    if segments is None:
+    if segments is None and fields.seq_lengths is not None:
+        segments = Segments.from_numpy(
+            np.arange(B, dtype=np.int64),
+            np.zeros(B, dtype=np.int64),
+            fields.seq_lengths.numpy().astype(np.int64),
+        )
+    elif segments is None:
         if fields.attention_mask is None and fields.position_ids is None:
             raise ValueError(
                 "pack_bshd needs 'attention_mask' or 'position_ids' in the batch (or segments=...) to know the "

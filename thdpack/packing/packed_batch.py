@@ -1,7 +1,8 @@
 """``PackedBatch``: the THD data contract between the packer and the model.
 
 One padding-free row (``[1, T]`` token tensors) and the metadata attention, RoPE/MRoPE and the MoE router need;
-:meth:`PackedBatch.packed_seq_params` turns it into Megatron-core's ``PackedSeqParams``. What each field means,
+:func:`thdpack.megatron.packed_seq_params.thd_packed_seq_params` turns it into Megatron-core's
+``PackedSeqParams``. What each field means,
 and the rules behind it, are in docs/design.md ("logical vs physical boundaries", "CP partition", "syncs").
 """
 
@@ -107,34 +108,6 @@ class PackedBatch:
         )
         return self._map_token_tensors(
             lambda t: to_device(t, device, non_blocking), cu_seqlens=cu, cu_seqlens_padded=cu_padded
-        )
-
-    def packed_seq_params(self):
-        """Megatron-core ``PackedSeqParams(qkv_format="thd", ...)`` for this row, as
-        :class:`thdpack.megatron.packed_seq_params.THDPackedSeqParams`: Megatron's fields, plus host copies of
-        the boundaries for kernels that loop over samples on the host (thdpack's torch attention; reading the
-        device arrays back would be a sync per layer).
-
-        Follows the TE fast-path rule: when no pad lies between samples, ``cu_seqlens_q_padded`` is the very
-        object ``cu_seqlens_q``, so TE does not set ``pad_between_seqs`` and FlashAttention stays eligible.
-        Boundaries are global: on a CP shard every rank passes the same arrays and TE divides by ``cp_size``.
-        """
-        try:
-            from thdpack.megatron.packed_seq_params import THDPackedSeqParams
-        except ImportError as e:  # pragma: no cover - megatron-core is a dependency
-            raise ImportError(
-                "PackedBatch.packed_seq_params() needs megatron-core: pip install 'megatron-core>=0.16'"
-            ) from e
-        return THDPackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens_padded,
-            cu_seqlens_kv_padded=self.cu_seqlens_padded,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
-            cu_seqlens_q_host=self.layout.cu_seqlens,
-            cu_seqlens_q_padded_host=self.layout.cu_seqlens_padded,
         )
 
     def shard_for_cp(self, cp_size: int, cp_rank: int) -> PackedBatch:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import paths
 from .validate import check_segment_inputs
 
 __all__ = ["Segments", "find_segments"]
@@ -38,11 +39,7 @@ class Segments:
     @classmethod
     def from_numpy(cls, row: np.ndarray, start: np.ndarray, length: np.ndarray) -> Segments:
         """Segments over int64 numpy arrays ``[N]`` (the tensors share their memory)."""
-        segments = cls(
-            row=torch.from_numpy(row), start=torch.from_numpy(start), length=torch.from_numpy(length)
-        )
-        segments.__dict__["arrays"] = (row, start, length)  # known: the cached property need not convert
-        return segments
+        return cls(row=torch.from_numpy(row), start=torch.from_numpy(start), length=torch.from_numpy(length))
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -255,7 +252,7 @@ def _row_runs(
     decides the samples). None when the mask holds segment ids. Raises on negative or fractional values
     and on holes.
     """
-    row_stats = _row_stats_host if mask.is_cpu else _row_stats_device
+    row_stats = _row_stats_host if paths.numpy_path(mask) else _row_stats_device
     first, length, holes, restarts, negative, above_one, fractional = row_stats(mask, position_ids)
     if negative or fractional:
         _check_integral_nonnegative("attention_mask", _host(mask))
@@ -290,64 +287,29 @@ def _first_hole(row: torch.Tensor) -> int | None:
 
 
 def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tuple:
-    # The passes over the [B, S] mask are numpy's, on one thread (see the note above _UNSIGNED; torch only
-    # converts a bfloat16 mask). What follows the value check works on the bool copy, where numpy's
-    # argmin/argmax stop at a row's first hit.
-    B, S = mask.shape
+    # The passes over the [B, S] mask are numpy's, on one thread (see the note below _row_stats_host; torch only
+    # converts a bfloat16 mask).
     negative = above_one = fractional = False
-    if mask.dtype == torch.bool or mask.numel() == 0:
-        r = mask.bool().numpy()
-    elif not mask.is_floating_point():
-        # One pass decides the common case: read as unsigned, a negative value is huge, so every value is 0
-        # or 1 iff the maximum is at most 1.
-        m = mask.numpy()
-        if int(m.view(_UNSIGNED[m.itemsize]).max()) > 1:
-            negative, above_one = int(m.min()) < 0, int(m.max()) > 1
-        r = m != 0
+    if mask.dtype == torch.bool:
+        r = mask.numpy()
     else:
-        m = (mask if mask.dtype in _NUMPY_FLOATS else mask.float()).numpy()  # bfloat16: exact in float32
+        m = (mask.float() if mask.dtype == torch.bfloat16 else mask).numpy()  # bfloat16: exact in float32
         r = m != 0
-        if bool((r & (m != 1)).any()):  # segment ids or bad values: tell them apart (NaN counts as real)
-            with np.errstate(invalid="ignore"):
+        if m.size:
+            with np.errstate(invalid="ignore"):  # NaN compares False here, and is caught as not finite
                 negative, above_one = bool(m.min() < 0), bool(m.max() > 1)
-            fractional = bool((m != np.round(m)).any()) or not bool(np.isfinite(m).all())
+            if mask.is_floating_point():
+                fractional = not bool(np.isfinite(m).all()) or bool((m != np.round(m)).any())
     if negative or above_one or fractional:
         return None, None, False, False, negative, above_one, fractional
-    holes = False
-    right_padded = S and r[:, 0].all()
-    if right_padded:
-        # Every row starts real (right padding, the common case). Each row's first run ends at its first pad
-        # column (argmin; a row without pad has none); the rows hold no other real token iff the runs add up
-        # to the real tokens of the whole mask, one count that is cheaper than per-row sums.
-        length = r.argmin(axis=1)
-        first = np.zeros(B, dtype=np.int64)
-        num_real = np.count_nonzero(r)
-        if int(length.sum()) != num_real:  # a row without pad (argmin 0 in a row that starts real), or a hole
-            length[length == 0] = S
-            holes = int(length.sum()) != num_real
-    elif S:
-        length = np.count_nonzero(r, axis=1).astype(np.int64, copy=False)
-        first = r.argmax(axis=1)
-        # A row starting real is contiguous iff its first pad column is its length (or it has no pad); a row
-        # ending real iff it starts at S - length; any other non-empty row is checked by counting its runs.
-        ends_real = r[:, -1]
-        ok = np.where(
-            r[:, 0], (r.argmin(axis=1) == length) | (length == S), ends_real & (first + length == S)
-        )
-        ok |= length == 0
-        if not ok.all():
-            rest = r[~ok]
-            runs = np.count_nonzero(rest[:, 1:] > rest[:, :-1], axis=1) + rest[:, 0]
-            holes = bool((runs > 1).any())
-    else:
-        first = length = np.zeros(B, dtype=np.int64)
+    length = np.count_nonzero(r, axis=1).astype(np.int64, copy=False)
+    first = r.argmax(axis=1)  # find_segments' entrance refused empty batches
+    runs = np.count_nonzero(r[:, 1:] & ~r[:, :-1], axis=1) + r[:, 0]
+    holes = bool((runs > 1).any())
     restarts = False
     if position_ids is not None and not holes and length.size:
-        # The columns some run covers beyond its first (right padding: every run starts at column 0).
-        lo, hi = (
-            (1, int(length.max())) if right_padded else (int(first.min()) + 1, int((first + length).max()))
-        )
-        restarts = _may_restart(position_ids, lo, hi)
+        # The columns some run covers beyond its first.
+        restarts = _may_restart(position_ids, int(first.min()) + 1, int((first + length).max()))
     return first, length, holes, restarts, False, False, False
 
 
@@ -357,12 +319,6 @@ def _row_stats_host(mask: torch.Tensor, position_ids: torch.Tensor | None) -> tu
 # with one (benchmarks/results/gpu_mask_stats_2026-11-22.md, section 4). On this project's 2-core CPU with one core
 # busy, pack_bshd took 2.2-5.1 ms at 64x8192 with torch's bool copy on 2 threads against 1.6-1.7 ms with numpy's;
 # idle, numpy's cost 0-6% more (section 5 there). torchrun sets OMP_NUM_THREADS=1.
-
-
-# Unsigned integers of each width, to read an integer mask as unsigned.
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-# Floating dtypes numpy reads (bfloat16 is converted first).
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
 def _may_restart(position_ids: torch.Tensor, lo: int, hi: int) -> bool:

@@ -89,6 +89,7 @@ class BshdFields(NamedTuple):
     position_ids: torch.Tensor | None
     mrope: torch.Tensor | None
     extra: dict[str, torch.Tensor]
+    seq_lengths: torch.Tensor | None = None
 
 
 def pop_tokens(fields: dict, shape: str) -> tuple[torch.Tensor, str]:
@@ -137,6 +138,9 @@ def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFiel
     position_ids = fields.pop("position_ids", None)
     mrope = fields.pop("mrope_position_ids", None)
     attention_mask = fields.pop("attention_mask", None)
+    seq_lengths = fields.pop("seq_lengths", None)
+    if seq_lengths is not None:
+        _check_seq_lengths(seq_lengths, B, S)
     # Position ids and the mask are read where they are (host or device), like find_segments does; the other
     # token-aligned keys must be on the tokens' device.
     for name, t, dtypes, same_device in (
@@ -171,7 +175,31 @@ def check_bshd_batch(batch: Mapping[str, torch.Tensor], caller: str) -> BshdFiel
             _check_key(name, t, None, shape, True, tokens, tokens_key, caller)
     if any_none:
         fields = {k: v for k, v in fields.items() if v is not None}
-    return BshdFields(tokens, tokens_key, labels, loss_mask, attention_mask, position_ids, mrope, fields)
+    return BshdFields(
+        tokens, tokens_key, labels, loss_mask, attention_mask, position_ids, mrope, fields, seq_lengths
+    )
+
+
+def _check_seq_lengths(seq_lengths, B: int, S: int) -> None:
+    """``seq_lengths``: the real tokens of each right-padded row, as the loader knows them: an integer host
+    tensor ``[B]``, every entry in ``[1, S]`` (a ``B``-sized read)."""
+    check_tensor("batch key 'seq_lengths'", seq_lengths, INTEGER_DTYPES, "sample lengths are integers")
+    if seq_lengths.shape != (B,):
+        raise ValueError(
+            f"batch key 'seq_lengths' is {list(seq_lengths.shape)}: it must be [B] = [{B}], one length a row"
+        )
+    if not seq_lengths.is_cpu:
+        raise ValueError(
+            f"batch key 'seq_lengths' is on {seq_lengths.device}: the lengths are host metadata (the loader's)"
+        )
+    lengths = seq_lengths.numpy()
+    bad = (lengths < 1) | (lengths > S)
+    if bad.any():
+        row = int(bad.argmax())
+        raise ValueError(
+            f"row {row} of seq_lengths is {int(lengths[row])}: each row holds one right-padded sample of 1 to "
+            f"S = {S} tokens"
+        )
 
 
 def _check_key(
@@ -210,12 +238,8 @@ def check_position_ids(position_ids: torch.Tensor, row: np.ndarray, start: np.nd
     column, as :attr:`Segments.arrays` gives them). An ``N``-sized read: ids that count on across a sample
     boundary, or start a left-padded row at its column, are caught; the ids after a sample's first are not read,
     the packed row's restart at every sample and count up by 1."""
-    ids = position_ids.numpy()
-    # One sample per row, each at column 0 (right padding, the common case; two samples of one row cannot both
-    # start there): a column view instead of a gather. count_nonzero: a fifth of .any()'s per-call cost here.
-    one_per_row = row.size == ids.shape[0] and not np.count_nonzero(start)
-    first = ids[:, 0] if one_per_row else ids[row, start]
-    if np.count_nonzero(first):
+    first = position_ids.numpy()[row, start]
+    if first.any():
         i = int(np.argmax(first != 0))
         raise ValueError(
             f"row {int(row[i])} of position_ids has {int(first[i])} at column {int(start[i])}, where sample {i} "

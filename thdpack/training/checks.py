@@ -4,41 +4,42 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from types import SimpleNamespace
 
-from thdpack.packing.layout import Alignment
+from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
+from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
 
-__all__ = ["ConfigError", "check_recipe", "micro_batch_tokens"]
+__all__ = ["ConfigError", "check_recipe"]
 
 
 class ConfigError(ValueError):
     """A recipe that cannot run; the message names the keys and what to change."""
 
 
-def micro_batch_tokens(dataset: Mapping) -> int | None:
-    """The token budget of a packed micro-batch: ``dataset.micro_batch_tokens``, where ``auto`` means the memory
-    the padded micro-batch would use (``micro_batch_size x seq_length``); None = ``micro_batch_size`` samples."""
-    budget = dataset.get("micro_batch_tokens", "auto")
-    if not dataset["pack_sequences_in_batch"]:
-        if budget not in (None, "auto"):
-            raise ConfigError(
-                f"dataset.micro_batch_tokens={budget} needs dataset.pack_sequences_in_batch=true: the padded "
-                "baseline batches micro_batch_size samples (set micro_batch_tokens=null)"
-            )
-        return None
-    if budget == "auto":
-        return int(dataset["micro_batch_size"]) * int(dataset["seq_length"])
-    return None if budget is None else int(budget)
-
-
-def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) -> list[str]:
-    """Raise :class:`ConfigError` for a recipe that cannot run on ``world_size`` processes on ``device`` with the
-    attention ``backend``; return warnings (settings that run, but not as a user may expect)."""
+def check_recipe(cfg: Mapping, *, world_size: int, device: str) -> list[str]:
+    """Raise :class:`ConfigError` for a resolved recipe (:func:`thdpack.training.recipe.resolve_recipe`) that
+    cannot run on ``world_size`` processes on ``device``; return warnings (settings that run, but not as a user
+    may expect)."""
     model, dataset, parallel, trainer = cfg["model"], cfg["dataset"], cfg["parallel"], cfg["trainer"]
+    backend = model["attention_backend"]
+    if "auto" in (backend, dataset.get("micro_batch_tokens")):
+        raise ValueError(
+            "check_recipe takes a resolved recipe: pass it through thdpack.training.recipe.resolve_recipe"
+        )
     config = model.get("config") or {}
     tp, pp = int(parallel["tensor_model_parallel_size"]), int(parallel["pipeline_model_parallel_size"])
     cp, ep = int(parallel["context_parallel_size"]), int(parallel["expert_model_parallel_size"])
     packed = bool(dataset["pack_sequences_in_batch"])
     warnings: list[str] = []
+
+    try:
+        family = get_family(model.get("family", "gpt"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    known = COMMON_MODEL_KEYS + family.model_keys
+    unknown = sorted(set(model) - set(known))
+    if unknown:
+        raise ConfigError(f"model has unknown keys {unknown}: the '{family.name}' family reads {list(known)}")
 
     if world_size % (tp * pp * cp):
         raise ConfigError(
@@ -92,16 +93,24 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
             f"the padded baseline with sequence parallelism splits every row over {tp} TP ranks: set "
             f"dataset.pad_to=seq_length and a dataset.seq_length divisible by {tp} (is {seq_length})"
         )
-    budget = micro_batch_tokens(dataset)
+    budget = dataset.get("micro_batch_tokens")
     if packed:
-        alignment = Alignment(cp_size=cp, tp_size=tp, sequence_parallel=sequence_parallel)
+        # The alignment the run builds after start-up (thdpack.megatron.batch.alignment_for), from the recipe.
+        precision = SimpleNamespace(
+            sequence_parallel=sequence_parallel, fp8=config.get("fp8"), fp8_recipe=config.get("fp8_recipe")
+        )
+        try:
+            alignment = alignment_for(precision, cp, tp, dataset.get("mode", "auto"))
+        except ValueError as e:
+            raise ConfigError(f"dataset.mode is '{dataset.get('mode')}': {e}") from None
         bucket = dataset.get("pad_total_to")
         if bucket is not None:
             bucket = int(bucket)
             if bucket % alignment.total_multiple:
                 raise ConfigError(
                     f"dataset.pad_total_to={bucket} must be a multiple of {alignment.total_multiple} (the packed row's "
-                    f"alignment for cp={cp}, tp={tp}, sequence_parallel={sequence_parallel})"
+                    f"alignment for cp={cp}, tp={tp}, sequence_parallel={sequence_parallel}, "
+                    f"fp8={alignment.fp8})"
                 )
             largest = budget if budget is not None else int(dataset["micro_batch_size"]) * seq_length
             if bucket < largest:
@@ -114,11 +123,13 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
                 f"dataset.micro_batch_tokens={budget} is below the alignment of one sample under "
                 f"parallel.context_parallel_size={cp} ({alignment.sample_multiple} tokens)"
             )
-        if ep > 1 and config.get("moe_token_dispatcher_type", "allgather") == "allgather" and bucket is None:
+        rule = allgather_dispatch_rule(
+            True, experts, ep, config.get("moe_token_dispatcher_type", "allgather"), bucket
+        )
+        if rule:
             raise ConfigError(
-                "model.config.moe_token_dispatcher_type=allgather all-gathers equal-sized token tensors over the "
-                "expert-parallel group, but packed rows differ in length from rank to rank: set "
-                "dataset.pad_total_to (a fixed token bucket) or model.config.moe_token_dispatcher_type=alltoall"
+                f"model.config.{rule}: set dataset.pad_total_to (a fixed token bucket) or "
+                "model.config.moe_token_dispatcher_type=alltoall"
             )
 
     if backend == "te":

@@ -13,29 +13,39 @@ when a GPU is visible, else CPU and gloo (``thdpack.megatron.cpu``). The run dir
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from thdpack.packing.layout import Alignment, plan_layout
-
-from .checks import check_recipe, micro_batch_tokens
+from .checks import check_recipe
 from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
 from .profiling import profile
+from .recipe import resolve_recipe
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from thdpack.data import TrainData
+    from thdpack.data.samples import SampleDataset
+    from thdpack.megatron.runtime import Runtime
+    from thdpack.megatron.step import StepConfig
 
 log = logging.getLogger("thdpack")
 
@@ -96,51 +106,55 @@ def main(cfg: DictConfig) -> None:
 class Run:
     """Everything a training step needs, built from a recipe by :func:`setup_run`."""
 
-    cfg: DictConfig
-    runtime: Any  # thdpack.megatron.setup.Runtime
-    data: Any  # thdpack.data.TrainData, this data-parallel rank's stream
-    held_out: Any  # the evaluation samples (empty unless trainer.eval_interval)
-    data_kwargs: dict
-    config: Any  # megatron.core TransformerConfig
-    model: Any  # DistributedDataParallel(GPTModel)
-    optimizer: Any
-    scheduler: Any
-    forward_step: Any
-    forward_backward: Any
-    alignment: Alignment
+    cfg: DictConfig  # the resolved recipe (thdpack.training.recipe.resolve_recipe)
+    runtime: Runtime
+    data: TrainData  # this data-parallel rank's stream
+    held_out: SampleDataset  # the evaluation samples (empty unless trainer.eval_interval)
+    data_kwargs: dict[str, Any]
+    config: TransformerConfig
+    model: DistributedDataParallel  # the model family's module, wrapped (thdpack.megatron.distributed)
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    step: StepConfig  # the batch (packing, alignment, hook), the model family, the loss
+    forward_step: Callable
+    forward_backward: Callable
     flops: FlopsModel
     logging_rank: bool
 
 
 def setup_run(cfg: DictConfig) -> Run:
-    """Check the recipe, start the process groups, build the data stream, the model, the optimizer and the
-    schedule (``torch.distributed`` from the torchrun environment; one process without it)."""
+    """Resolve and check the recipe, start the process groups, build the data stream, the model, the optimizer
+    and the schedule (``torch.distributed`` from the torchrun environment; one process without it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from thdpack.data import build_dataset, build_tokenizer, build_train_data
     from thdpack.data.samples import split_holdout
-    from thdpack.megatron import setup
-    from thdpack.megatron.batch import BatchConfig
-    from thdpack.megatron.step import make_forward_step
+    from thdpack.megatron.batch import BatchConfig, model_alignment
+    from thdpack.megatron.config import padded_vocab_size, transformer_config
+    from thdpack.megatron.distributed import wrap_model
+    from thdpack.megatron.families import get_family
+    from thdpack.megatron.loss import LM_LOSS
+    from thdpack.megatron.optimizer import build_optimizer
+    from thdpack.megatron.runtime import init_distributed, resolve_runtime
+    from thdpack.megatron.step import StepConfig, make_forward_step
 
     _setup_logging()
+    cfg = resolve_recipe(cfg)
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
-    pretrained = cfg.model.get("pretrained")
-    if pretrained:  # model=hf: the checkpoint's config.json decides the architecture (thdpack.hf)
-        from thdpack.hf.config import pretrained_model_group
-
-        with open_dict(cfg):
-            cfg.model = pretrained_model_group(
-                cfg.model, seq_length=int(data_cfg.seq_length), tp=int(parallel.tensor_model_parallel_size)
-            )
     packed = bool(data_cfg.pack_sequences_in_batch)
-    runtime = setup.resolve_runtime(cfg.model, trainer)
-    for warning in check_recipe(
-        cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device, backend=runtime.backend
-    ):
+    runtime = resolve_runtime(trainer.precision, cfg.model.attention_backend)
+    for warning in check_recipe(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device):
         log.warning(warning)
-    setup.init_distributed(parallel, int(trainer.seed), runtime)
+    family = get_family(cfg.model.family)
+    init_distributed(
+        runtime,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        seed=int(trainer.seed),
+    )
     logging_rank = (
         ps.is_pipeline_last_stage(ignore_virtual=True)
         and ps.get_tensor_model_parallel_rank() == 0
@@ -160,41 +174,42 @@ def setup_run(cfg: DictConfig) -> Run:
     )
     eval_interval = trainer.get("eval_interval")
     dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
-    budget = micro_batch_tokens(data_cfg)
+    budget = data_cfg.micro_batch_tokens
     data_kwargs = dict(
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         seed=int(trainer.seed),
         tokenizer=tokenizer,
-        micro_batch_tokens=budget,
-        mrope=cfg.model.get("position_embedding_type") == "mrope",
     )
     data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
 
-    config = setup.transformer_config(cfg.model, parallel, runtime)
-    vocab_size = setup.padded_vocab_size(cfg.model, tokenizer.vocab_size, config.tensor_model_parallel_size)
-    model = setup.build_model(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
-    if pretrained:  # before the optimizer copies the weights into its fp32 main parameters
-        from thdpack.hf.load import load_pretrained
-
-        log.info("loaded %d tensors from %s", load_pretrained(model, pretrained), pretrained)
-    optimizer, scheduler = setup.build_optimizer(trainer, model, config)
-    batch_config = BatchConfig(
-        pack_sequences_in_batch=packed,
-        mode=data_cfg.get("mode", "auto"),
-        pad_total_to=data_cfg.get("pad_total_to"),
-        pad_token_id=tokenizer.pad_id,
+    config = transformer_config(cfg.model, parallel, runtime)
+    vocab_size = padded_vocab_size(cfg.model, tokenizer.vocab_size, ps.get_tensor_model_parallel_world_size())
+    module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
+    model = wrap_model(module, config, runtime)
+    optimizer, scheduler = build_optimizer(trainer, model, config)
+    alignment = model_alignment(config, data_cfg.get("mode", "auto"), data_cfg.get("pad_total_to"))
+    step = StepConfig(
+        batch=BatchConfig(
+            pack_sequences_in_batch=packed,
+            alignment=alignment,
+            pad_token_id=tokenizer.pad_id,
+            transform=family.transform,
+            carry_keys=family.carry_keys,
+        ),
+        family=family,
+        loss=LM_LOSS,
     )
-    alignment = batch_config.alignment(config)
     batching = "padded BSHD"
     if packed:
         batching = f"packed ({alignment.mode}, " + (
             f"{budget}-token micro-batches)" if budget else "micro_batch_size samples)"
         )
     log.info(
-        "model: %s, %s attention, %s, %s%s | %s | world %d = dp %d x tp %d x pp %d x cp %d (ep %d)",
-        cfg.model.get("name", "gpt"),
+        "model: %s (%s), %s attention, %s, %s%s | %s | world %d = dp %d x tp %d x pp %d x cp %d (ep %d)",
+        cfg.model.get("name", family.name),
+        family.name,
         runtime.backend,
         runtime.precision,
         runtime.device,
@@ -202,10 +217,10 @@ def setup_run(cfg: DictConfig) -> Run:
         batching,
         dist.get_world_size(),
         ps.get_data_parallel_world_size(),
-        config.tensor_model_parallel_size,
-        config.pipeline_model_parallel_size,
-        config.context_parallel_size,
-        config.expert_model_parallel_size,
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
     )
     return Run(
         cfg=cfg,
@@ -217,9 +232,9 @@ def setup_run(cfg: DictConfig) -> Run:
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        forward_step=make_forward_step(batch_config),
+        step=step,
+        forward_step=make_forward_step(step.batch, family=step.family, loss=step.loss),
         forward_backward=get_forward_backward_func(),
-        alignment=alignment,
         flops=FlopsModel.of(config, vocab_size),
         logging_rank=logging_rank,
     )
@@ -247,8 +262,8 @@ def forward_backward(run: Run, batches: list[dict], forward_only: bool = False) 
 
 def train_step(run: Run, batches: list[dict]) -> tuple[list[dict], bool, float]:
     """One optimizer step over one global batch: ``(loss reports, updated, grad_norm)``. The update is held back
-    when the gradient norm is not finite (see :func:`thdpack.megatron.setup.optimizer_step`)."""
-    from thdpack.megatron.setup import optimizer_step
+    when the gradient norm is not finite (see :func:`thdpack.megatron.optimizer.optimizer_step`)."""
+    from thdpack.megatron.optimizer import optimizer_step
 
     losses = forward_backward(run, batches)
     updated, grad_norm = optimizer_step(run.optimizer)
@@ -262,9 +277,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from thdpack.megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
-    from thdpack.megatron.step import reduce_loss_report
 
     run = setup_run(cfg)
+    cfg = run.cfg
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
     if ckpt_dir is not None and cfg.model.get("pretrained") and dist.get_rank() == 0:
@@ -306,7 +321,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             losses, updated, grad_norm = train_step(run, batches)
         iteration += 1
         if not updated:
-            where = _nonfinite_microbatch(losses)
+            where = run.step.loss.first_nonfinite(losses)
             message = f"step {iteration}: the gradient norm is {grad_norm}" + (
                 f"; the first non-finite loss is in micro-batch {where} of {len(batches)}" if where else ""
             )
@@ -318,7 +333,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             log.warning("%s: update skipped (%d so far)", message, skipped)
         log_now = iteration % int(trainer.log_interval) == 0 or iteration == train_iters
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        loss = float(reduce_loss_report(losses)) if log_now and last_stage else None
+        loss = float(run.step.loss.reduce(losses)) if log_now and last_stage else None
         step_time = time.perf_counter() - step_start
         if log_now or profiled:
             record = _step_record(iteration, loss, grad_norm, step_time, run)
@@ -362,11 +377,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
     """One step's metrics over the whole global batch (every rank's micro-batches, from the loader's plan):
     real tokens, and the tokens the model computes on (packed rows as thdpack aligns them, or padded rows)."""
-    data, data_cfg, alignment, flops = run.data, run.cfg.dataset, run.alignment, run.flops
+    data, data_cfg, alignment, flops = run.data, run.cfg.dataset, run.step.batch.alignment, run.flops
     lengths = [mb for rank in data.step_lengths for mb in rank if mb.size]
     real = int(sum(int(mb.sum()) for mb in lengths))
     if data_cfg.pack_sequences_in_batch:
-        processed = sum(plan_layout(torch.from_numpy(mb), alignment).total_tokens for mb in lengths)
+        processed = sum(alignment.total_tokens(mb) for mb in lengths)
     elif data_cfg.get("pad_to", "seq_length") == "seq_length":
         processed = sum(mb.size for mb in lengths) * int(data_cfg.seq_length)
     else:
@@ -392,20 +407,11 @@ def _step_record(iteration, loss, grad_norm, step_time, run: Run) -> dict:
     return record
 
 
-def _nonfinite_microbatch(losses) -> int | None:
-    """1-based index of the first micro-batch whose summed loss is not finite (last pipeline stage only)."""
-    for i, report in enumerate(losses or [], start=1):
-        if not math.isfinite(float(report["lm loss"][0])):
-            return i
-    return None
-
-
 def _evaluate(run: Run, iters: int) -> float | None:
     """Mean per-token loss on the first ``iters`` global batches of the held-out samples (the same every time)."""
     from megatron.core import parallel_state as ps
 
     from thdpack.data import build_train_data
-    from thdpack.megatron.step import reduce_loss_report
 
     data = build_train_data(run.cfg.dataset, dataset=run.held_out, shuffle=False, **run.data_kwargs)
     run.model.eval()
@@ -413,7 +419,7 @@ def _evaluate(run: Run, iters: int) -> float | None:
         report for _ in range(iters) for report in forward_backward(run, data.next_step(), forward_only=True)
     ]
     run.model.train()
-    return float(reduce_loss_report(reports)) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+    return float(run.step.loss.reduce(reports)) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
 def _setup_logging() -> None:

@@ -31,7 +31,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from tests.hf_models import DENSE, MOE, build, hf_logits_per_sample, hf_loss, megatron_model, padded_batch  # noqa: E402
 from thdpack.megatron.batch import BatchConfig, get_batch  # noqa: E402
 from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
-from thdpack.megatron.step import make_forward_step, reduce_loss_report  # noqa: E402
+from thdpack.megatron.loss import LM_LOSS  # noqa: E402
+from thdpack.megatron.step import make_forward_step  # noqa: E402
 
 LAYOUTS = {
     # name: (parallel sizes, sequence parallel, families)
@@ -102,10 +103,10 @@ def check(layout: str, family: str, directory: Path, sequence_parallel: bool) ->
         for i, ref in enumerate(hf_logits_per_sample(hf, batch))
     )
     assert torch.isneginf(logits[..., vocab:]).all(), f"{layout} {family}: a padded vocabulary row was finite"
-    loss = float(reduce_loss_report(reports)) if ps.get_data_parallel_world_size() == 1 else None
+    loss = float(LM_LOSS.reduce(reports)) if ps.get_data_parallel_world_size() == 1 else None
     want = hf_loss(hf, batch)
     if loss is None:  # data-parallel ranks (EP) saw different batches: this rank's own loss
-        total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+        total = torch.stack([r[LM_LOSS.key] for r in reports]).sum(0)
         loss = float(total[0] / total[1])
     print(
         f"[{layout}] rank {dist.get_rank()} {family}: max|logit diff| {worst:.3g}, loss {loss:.6f} "

@@ -28,10 +28,11 @@ from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from thdpack.megatron.batch import BatchConfig
+from thdpack.megatron.batch import BatchConfig, model_alignment
 from thdpack.megatron.cpu import initialize_model_parallel_cpu
+from thdpack.megatron.loss import LM_LOSS
 from thdpack.megatron.models import build_gpt_model
-from thdpack.megatron.step import make_forward_step, reduce_loss_report
+from thdpack.megatron.step import make_forward_step
 
 ARGS = None  # the parsed command line: device, backend, mode
 
@@ -301,7 +302,9 @@ def packed_run(config, full, batches, moe, mrope, bucket):
     dp_rank = ps.get_data_parallel_rank()
     local = batches[dp_rank]
     reports = get_forward_backward_func()(
-        forward_step_func=make_forward_step(BatchConfig(pad_total_to=bucket, mode=ARGS.mode)),
+        forward_step_func=make_forward_step(
+            BatchConfig(alignment=model_alignment(config, ARGS.mode, bucket))
+        ),
         data_iterator=iter(local),
         model=[model],
         num_microbatches=len(local),
@@ -319,10 +322,8 @@ def packed_run(config, full, batches, moe, mrope, bucket):
     dist.all_reduce(local_sum)
     loss, num_tokens = float(local_sum[0] / local_sum[1]), int(local_sum[1])
     if ps.is_pipeline_last_stage(ignore_virtual=True):  # the reported loss: thdpack's DP x CP reduction
-        reported = float(reduce_loss_report(reports))
-        assert abs(reported - loss) <= 1e-6 * abs(loss), (
-            f"reduce_loss_report gave {reported}, expected {loss}"
-        )
+        reported = float(LM_LOSS.reduce(reports))
+        assert abs(reported - loss) <= 1e-6 * abs(loss), f"LM_LOSS.reduce gave {reported}, expected {loss}"
     grads = reduced_full_grads(model, config.sequence_parallel, num_tokens)
     return loss, grads, seen, router_counts, counts
 

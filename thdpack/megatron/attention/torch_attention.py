@@ -413,7 +413,7 @@ def attend_thd(
         if not have_host:
             raise ValueError(
                 "context parallelism in the torch attention needs host copies of the boundaries "
-                "(host_cu_seqlens*; PackedBatch.packed_seq_params() declares them in THDPackedSeqParams)"
+                "(host_cu_seqlens*; thd_packed_seq_params() declares them in THDPackedSeqParams)"
             )
         # Rank-major gathered rows -> global order, with TE's partition computed on the host boundaries.
         order = _cp_gather_order(tuple(host_cup), cp_size, device)
@@ -485,7 +485,7 @@ class TorchTHDAttention(MegatronModule):
     Constructor and forward mirror megatron-core 0.16.1's `DotProductAttention`. Head counts and
     head size are read from the tensors, so TP needs nothing here (Megatron passes per-partition
     heads). Host copies of the boundaries are taken from a `THDPackedSeqParams` (what
-    `PackedBatch.packed_seq_params()` returns); from a plain `PackedSeqParams` the boundaries are read on the
+    `thd_packed_seq_params(packed)` returns); from a plain `PackedSeqParams` the boundaries are read on the
     host only when they are host tensors.
     """
 

@@ -1,0 +1,105 @@
+"""The optimizer side of a step: Megatron's distributed Adam and its schedule from a recipe's ``trainer`` group,
+the gradient finalisation Megatron's schedules call (per-token division on the device), and the optimizer step
+with the update held back on a non-finite gradient norm."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build_optimizer", "finalize_grads_per_token", "optimizer_step"]
+
+
+def build_optimizer(trainer: Mapping, model, config):
+    """Megatron's distributed Adam (``get_megatron_optimizer``) and ``OptimizerParamScheduler`` (warmup, then
+    decay to ``min_lr`` over ``lr_decay_iters``; stepped once per iteration)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=float(trainer["lr"]),
+            min_lr=float(trainer["min_lr"]),
+            weight_decay=float(trainer["weight_decay"]),
+            adam_beta1=float(trainer["adam_beta1"]),
+            adam_beta2=float(trainer["adam_beta2"]),
+            clip_grad=float(trainer["clip_grad"]),
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=True,
+        ),
+        [model],
+    )
+    decay_iters = trainer.get("lr_decay_iters") or trainer["train_iters"]
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=float(trainer["lr"]),
+        min_lr=float(trainer["min_lr"]),
+        lr_warmup_steps=int(trainer["lr_warmup_iters"]),
+        lr_decay_steps=int(decay_iters),
+        lr_decay_style=trainer["lr_decay_style"],
+        start_wd=float(trainer["weight_decay"]),
+        end_wd=float(trainer["weight_decay"]),
+        wd_incr_steps=int(decay_iters),
+        wd_incr_style="constant",
+    )
+    # What Megatron's schedules call around the micro-batches: gradient all-reduce/reduce-scatter only after
+    # the last one, and the per-token division by the step's token count (calculate_per_token_loss).
+    config.no_sync_func = model.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_grads_per_token
+    return optimizer, scheduler
+
+
+def finalize_grads_per_token(model, num_tokens=None, **kwargs) -> None:
+    """Megatron's ``finalize_model_grads``, with the division by the global batch's token count done on the
+    device: megatron-core 0.16.1's ``megatron/core/distributed/finalize_model_grads.py::finalize_model_grads``
+    tests ``num_tokens > 0`` on the host (``if num_tokens > 0: scaling = 1.0 / num_tokens``), one host-device
+    sync per step. A step with no counted token leaves the gradients as they are (they are zero), as Megatron's
+    test does."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+    if num_tokens is None:
+        return
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # the count is known on the last stage only
+        dist.broadcast(
+            num_tokens,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+    dist.all_reduce(num_tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
+    scale = 1.0 / num_tokens.clamp(min=1).to(torch.float32)
+    for chunk in model:
+        chunk.scale_gradients(scale)
+
+
+@torch.no_grad()
+def optimizer_step(optimizer) -> tuple[bool, float]:
+    """Megatron's optimizer step with the update held back when the global gradient norm is not finite.
+
+    Returns ``(updated, grad_norm)``. The norm is the one Megatron computes for clipping (one all-reduce and one
+    host read per step, as in ``optimizer.step()``); a non-finite norm leaves every parameter as it was, so the
+    caller can stop or skip the step. megatron-core 0.16.1's ``MixedPrecisionOptimizer.step`` and
+    ``FP32Optimizer.step`` (``megatron/core/optimizer/optimizer.py``) skip only on the fp16 loss scaler's
+    ``found_inf`` and otherwise clip and step whatever the norm; this is their ``prepare_grads`` /
+    ``get_grad_norm`` / ``clip_grad_by_total_norm_fp32`` / ``step_with_ready_grads`` sequence with the norm
+    tested in between.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if found_inf or not math.isfinite(grad_norm):
+        return False, grad_norm
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = sub.get_parameters()
+        if sub.config.clip_grad > 0.0 and params:
+            clip_grad_by_total_norm_fp32(params, max_norm=sub.config.clip_grad, total_norm=grad_norm)
+    return bool(optimizer.step_with_ready_grads()), grad_norm

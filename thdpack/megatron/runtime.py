@@ -1,0 +1,92 @@
+"""Where this process runs (:class:`Runtime`) and its process groups: ``torch.distributed`` from the torchrun
+environment, then Megatron's model-parallel groups and seeded RNG streams. NCCL on CUDA; gloo on CPU through
+:mod:`thdpack.megatron.cpu`."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PRECISIONS", "Runtime", "init_distributed", "resolve_runtime"]
+
+PRECISIONS = ("bf16", "fp32")
+BACKENDS = ("te", "torch")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16" or "fp32") and the
+    attention ``backend`` ("te" or "torch")."""
+
+    device: str
+    precision: str
+    backend: str
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+
+def resolve_runtime(precision: str = "auto", backend: str = "auto", device: str | None = None) -> Runtime:
+    """``auto`` settings made concrete: bf16 and TE on CUDA; fp32 and torch on CPU.
+
+    ``precision`` is the recipe's ``trainer.precision``, ``backend`` its ``model.attention_backend``; ``device``
+    defaults to CUDA when a GPU is visible, else CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision is '{precision}': it must be auto, bf16 or fp32")
+    if backend == "auto":
+        backend = "te" if device == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"model.attention_backend is '{backend}': it must be auto, te or torch")
+    return Runtime(device, precision, backend)
+
+
+def init_distributed(
+    runtime: Runtime,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    seed: int = 0,
+) -> None:
+    """``torch.distributed`` from the torchrun environment (a single process without it), then Megatron's
+    model-parallel groups and seeded RNG streams. NCCL on CUDA, gloo on CPU. After this call the parallel sizes
+    are ``megatron.core.parallel_state``'s to tell."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    sizes = dict(
+        tensor_model_parallel_size=int(tensor_model_parallel_size),
+        pipeline_model_parallel_size=int(pipeline_model_parallel_size),
+        context_parallel_size=int(context_parallel_size),
+        expert_model_parallel_size=int(expert_model_parallel_size),
+    )
+    if runtime.device == "cpu":
+        from .cpu import initialize_model_parallel_cpu
+
+        initialize_model_parallel_cpu(**sizes, seed=seed)
+        return
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    parallel_state.initialize_model_parallel(**sizes)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,61 @@
+"""The recipe resolved once: every ``auto`` made concrete before anything reads it.
+
+``python -m thdpack.train`` composes a recipe with Hydra, resolves it here, checks it
+(:func:`thdpack.training.checks.check_recipe`) and builds the run from it; nothing after this step decides what
+``auto`` means again. ``--cfg job`` shows the recipe as written; the start-up log line shows the resolved values.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from omegaconf import DictConfig, open_dict
+
+from thdpack.data.loader import micro_batch_tokens
+from thdpack.megatron.runtime import resolve_runtime
+
+from .checks import ConfigError
+
+__all__ = ["resolve_recipe"]
+
+
+def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
+    """A copy of ``cfg`` with its ``auto`` settings made concrete for ``device`` (default: CUDA when a GPU is
+    visible, else CPU):
+
+    - ``trainer.precision``: bf16 on CUDA, fp32 on CPU;
+    - ``model.attention_backend``: ``te`` on CUDA, ``torch`` on CPU;
+    - ``model.family``: ``gpt`` when absent;
+    - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
+      (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family;
+    - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`);
+    - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
+
+    Raises :class:`~thdpack.training.checks.ConfigError` naming the key for a value that has no meaning.
+    """
+    try:
+        runtime = resolve_runtime(
+            cfg.trainer.get("precision", "auto"), cfg.model.get("attention_backend", "auto"), device
+        )
+        budget = micro_batch_tokens(cfg.dataset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        if cfg.model.get("pretrained"):  # model=hf: the checkpoint's config.json decides the architecture
+            from thdpack.hf.config import HFConfigError, pretrained_model_group
+
+            try:
+                out.model = pretrained_model_group(
+                    cfg.model,
+                    seq_length=int(cfg.dataset.seq_length),
+                    tp=int(cfg.parallel.tensor_model_parallel_size),
+                )
+            except HFConfigError as e:
+                raise ConfigError(str(e)) from None
+        out.trainer.precision = runtime.precision
+        out.model.attention_backend = runtime.backend
+        out.model.family = out.model.get("family", "gpt")
+        out.dataset.micro_batch_tokens = budget
+        out.dataset.mrope = cfg.model.get("position_embedding_type") == "mrope"
+    return out
