@@ -1,4 +1,4 @@
-"""Imported Hugging Face checkpoints under TP2, TP2+SP, PP2 (every family) and EP2 (the MoE families): logits and
+"""Imported Hugging Face checkpoints under TP2, TP2+SP, PP2, CP2 (every family) and EP2 (the MoE families): logits and
 loss equal transformers'. One torchrun (2 ranks, gloo) runs every layout; what each checks is in
 scripts/hf_parity.py, which prints the measured differences."""
 
@@ -10,7 +10,7 @@ from .conftest import run_torchrun
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
-LAYOUTS = ["tp2", "tp2sp", "pp2", "ep2"]
+LAYOUTS = ["tp2", "tp2sp", "pp2", "cp2", "ep2"]
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,14 @@
 """Imported Hugging Face checkpoints under model parallelism compute what transformers computes.
 
 Run by tests/functional/test_hf_parallel.py as
-`torchrun --nproc_per_node=2 hf_parity.py --models DIR --layouts tp2,tp2sp,pp2,ep2`, DIR holding one saved model
-per family of tests/hf_models.py. For each layout (Megatron's parallel state rebuilt in the same processes) and
-each family (dense families under TP/SP/PP, the MoE families under every layout), every rank builds its chunk of
+`torchrun --nproc_per_node=2 hf_parity.py --models DIR --layouts tp2,tp2sp,pp2,cp2,ep2`, DIR holding one saved
+model per family of tests/hf_models.py. For each layout (Megatron's parallel state rebuilt in the same processes)
+and each family (every family under TP/SP/PP/CP, the MoE families under EP too), every rank builds its chunk of
 thdpack's model, loads its slices of the checkpoint (thdpack.hf.load) and runs one packed micro-batch of four
 samples through Megatron's schedule (forward only):
-  - the logits (gathered over tensor parallelism; last pipeline stage) equal transformers' logits of each sample
-    alone, max abs difference <= 1e-4; padded vocabulary rows (llama2: 301 ids, 302 rows under TP2) are -inf;
+  - the logits (gathered over tensor and context parallelism; last pipeline stage) equal transformers' logits of
+    each sample alone, max abs difference <= 1e-4; padded vocabulary rows (llama2: 301 ids, 302 rows under TP2)
+    are -inf;
   - the per-token loss of thdpack's own forward step equals transformers' loss on the padded batch (rel 1e-6).
 Prints one line per layout and family with the measured differences.
 """
@@ -29,6 +30,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from tests.hf_models import DENSE, MOE, build, hf_logits_per_sample, hf_loss, megatron_model, padded_batch  # noqa: E402
+from thdpack import cp_unshard  # noqa: E402
 from thdpack.megatron.batch import BatchConfig, get_batch  # noqa: E402
 from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
 from thdpack.megatron.loss import LM_LOSS  # noqa: E402
@@ -39,6 +41,7 @@ LAYOUTS = {
     "tp2": ({"tensor_model_parallel_size": 2}, False, DENSE + MOE),
     "tp2sp": ({"tensor_model_parallel_size": 2}, True, DENSE + MOE),
     "pp2": ({"pipeline_model_parallel_size": 2}, False, DENSE + MOE),
+    "cp2": ({"context_parallel_size": 2}, False, DENSE + MOE),
     "ep2": ({"expert_model_parallel_size": 2}, False, MOE),
 }
 SEQ = 64
@@ -85,7 +88,12 @@ def packed_logits(model, batch):
     local = captured["logits"]
     parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1), captured["starts"]
+    logits = torch.cat(parts, dim=-1)
+    if ps.get_context_parallel_world_size() > 1:  # each CP rank holds its zigzag chunks of every sample
+        shards = [torch.empty_like(logits) for _ in range(ps.get_context_parallel_world_size())]
+        dist.all_gather(shards, logits.contiguous(), group=ps.get_context_parallel_group())
+        logits = cp_unshard(shards, torch.tensor(captured["starts"]), dim=1)
+    return logits, captured["starts"]
 
 
 def check(layout: str, family: str, directory: Path, sequence_parallel: bool) -> None:
