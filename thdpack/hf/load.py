@@ -1,14 +1,15 @@
 """Load a Hugging Face checkpoint into this rank's Megatron-core model chunk(s).
 
-    model = build_model(...)                    # the model group from thdpack.hf.config
-    load_pretrained(model, "path/to/hf_dir")    # before the optimizer takes its fp32 copies
+    module = GPT.build(group, config, vocab_size, seq_length, runtime)   # group: thdpack.hf.config
+    load_pretrained(module, "path/to/hf_dir")   # before the optimizer takes its fp32 copies (thdpack.hf.family)
 
 Each rank opens the safetensors files memory-mapped (``safe_open``) and reads only the rows and columns it holds
 (``get_slice``): its pipeline stage's layers, its experts, its tensor-parallel slice. No rank materialises the
 whole model. Beside the weights it sets what the weights alone do not carry: RoPE's inverse frequencies from the
 checkpoint's ``rope_theta`` and Llama 3 scaling, and, where Megatron pads the vocabulary (tensor parallelism not
 dividing it), logits of ``-inf`` on the padded rows, so that no softmax (the loss's or anyone's reading the
-logits) ever gives them probability.
+logits) ever gives them probability. The mask sits on the output layer's forward: a loss that computes the
+logits without calling it (a fused output-layer cross entropy) must mask those rows itself.
 
 A checkpoint tensor the model has no place for, a model tensor the checkpoint lacks, or a shape that does not fit
 stops the load, naming the key, the file and the rule. Checked against transformers 5.24.0 (CPU) and 5.17 (GPU).
