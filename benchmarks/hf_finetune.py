@@ -110,29 +110,33 @@ def make_hf_directory(
     return directory
 
 
-def transformers_reference(directory: Path, batches: list[dict], device, dtype) -> dict:
-    """transformers on each padded micro-batch: per-token loss sums and counts (the collator's shifted labels),
-    and the logits of the first micro-batch."""
+def transformers_reference(directory: Path, batches: list[dict], device, dtype, rows: int = 4) -> dict:
+    """transformers on each padded micro-batch, ``rows`` rows at a time: per-token loss sums and counts (the
+    collator's shifted labels), and the first micro-batch's logits on each sample's real tokens."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     model = (
         AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True).to(device).eval()
     )
-    sums, counts, first_logits = [], [], None
+    sums, counts, first_logits = [], [], []
     with torch.no_grad():
         for i, batch in enumerate(batches):
-            tokens, mask = batch["tokens"].to(device), batch["attention_mask"].to(device)
-            labels = batch["labels"].to(device).masked_fill(mask == 0, -100)
-            logits = model(tokens, attention_mask=mask).logits
-            sums.append(
-                float(F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum"))
-            )
-            counts.append(int((labels != -100).sum()))
-            if i == 0:
-                first_logits = logits
-            else:
+            total, count = 0.0, 0
+            for start in range(0, batch["tokens"].shape[0], rows):
+                part = slice(start, start + rows)
+                tokens, mask = batch["tokens"][part].to(device), batch["attention_mask"][part].to(device)
+                labels = batch["labels"][part].to(device).masked_fill(mask == 0, -100)
+                logits = model(tokens, attention_mask=mask).logits
+                total += float(
+                    F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+                )
+                count += int((labels != -100).sum())
+                if i == 0:
+                    first_logits += [logits[r, :n].clone() for r, n in enumerate(mask.sum(1).tolist())]
                 del logits
+            sums.append(total)
+            counts.append(count)
     del model
     return {"sums": sums, "counts": counts, "first_logits": first_logits}
 
@@ -154,22 +158,19 @@ def thdpack_logits(run, batch) -> tuple[torch.Tensor, list[int]]:
     return logits, inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
 
 
-def compare_logits(
-    ours: torch.Tensor, starts: list[int], reference: torch.Tensor, lengths: list[int]
-) -> dict:
-    vocab = reference.shape[-1]
+def compare_logits(ours: torch.Tensor, starts: list[int], reference: list[torch.Tensor]) -> dict:
+    """thdpack's packed row against transformers' per-sample logits on real tokens."""
     diffs, refs = [], []
-    for i, n in enumerate(lengths):
-        a = ours[0, starts[i] : starts[i] + n, :vocab].float()
-        b = reference[i, :n].float()
-        diffs.append((a - b).flatten())
-        refs.append(b.flatten())
+    for i, ref in enumerate(reference):
+        a = ours[0, starts[i] : starts[i] + len(ref), : ref.shape[-1]].float()
+        diffs.append((a - ref.float()).flatten())
+        refs.append(ref.float().flatten())
     diff, ref = torch.cat(diffs), torch.cat(refs)
     return {
         "max_abs_diff": float(diff.abs().max()),
         "mean_abs_diff": float(diff.abs().mean()),
         "rms_diff_over_rms_logit": float(diff.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()),
-        "tokens": int(sum(lengths)),
+        "tokens": sum(len(r) for r in reference),
     }
 
 
@@ -202,6 +203,7 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
         f"dataset.seq_length={args.seq_length}",
         f"dataset.micro_batch_size={args.micro_batch_size}",
         f"dataset.global_batch_size={args.global_batch_size}",
+        "dataset.pad_to=longest",  # transformers' reference runs the padded micro-batches
         f"trainer.train_iters={args.steps}",
         "trainer.lr=1e-5",
         "trainer.min_lr=1e-6",
@@ -219,9 +221,8 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
 
     batches = run.data.next_step()
     reference = transformers_reference(directory, batches, device, dtype)
-    lengths = batches[0]["attention_mask"].sum(1).tolist()
     ours, starts = thdpack_logits(run, batches[0])
-    logits = compare_logits(ours, starts, reference.pop("first_logits"), lengths)
+    logits = compare_logits(ours, starts, reference.pop("first_logits"))
     del ours
     gc.collect()
     if cuda:
