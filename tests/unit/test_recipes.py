@@ -15,6 +15,8 @@ from thdpack.training.loop import recipes_dir
 from thdpack.training.recipe import resolve_recipe
 
 MODELS = sorted(p.stem for p in (recipes_dir() / "model").glob("*.yaml"))
+# model=hf takes its architecture from model.pretrained's config.json
+PRESETS = [m for m in MODELS if m != "hf"]
 
 
 def _compose(*overrides):
@@ -24,6 +26,7 @@ def _compose(*overrides):
 
 def test_the_recipes_hold_every_model_the_readme_names():
     assert MODELS == [
+        "hf",
         "llama3_1b",
         "llama3_8b",
         "qwen2_5_vl_7b",
@@ -34,7 +37,7 @@ def test_the_recipes_hold_every_model_the_readme_names():
     ]
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", PRESETS)
 def test_model_recipe_builds_a_transformer_config(model):
     cfg = _compose(f"model={model}")
     config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
@@ -46,6 +49,38 @@ def test_model_recipe_builds_a_transformer_config(model):
     if cfg.model.position_embedding_type == "mrope":
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         assert sum(cfg.model.config.mrope_section) == head_dim // 2
+
+
+def test_hf_recipe_resolves_to_the_transformer_config_of_its_config_json(tmp_path):
+    import json
+
+    qwen3 = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 301,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(qwen3))
+    overrides = (
+        "model=hf",
+        f"model.pretrained={tmp_path}",
+        "parallel=tp2",
+        "model.config.hidden_dropout=0.1",
+    )
+    cfg = resolve_recipe(_compose(*overrides), device="cpu")
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
+    assert (config.num_layers, config.kv_channels, config.qk_layernorm) == (2, 24, True)
+    assert config.hidden_dropout == 0.1  # a recipe key config.json does not fix
+    assert padded_vocab_size(cfg.model, 259, 2) == 302  # the checkpoint's 301 ids, padded for TP2
+    assert cfg.model.family == "thdpack.hf.family:HF"
+    check_recipe(cfg, world_size=2, device="cpu")
 
 
 def test_llama3_1b_flops_model_counts_its_gemm_parameters():

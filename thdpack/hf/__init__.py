@@ -1,0 +1,1 @@
+"""Hugging Face interop: checkpoints in (config, mapping, load) and out (export), tokenizers and chat templates."""

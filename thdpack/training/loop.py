@@ -315,6 +315,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     cfg = run.cfg
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
+    if ckpt_dir is not None and cfg.model.get("pretrained") and dist.get_rank() == 0:
+        from thdpack.hf.export import keep_with_checkpoint  # what python -m thdpack.export needs
+
+        keep_with_checkpoint(ckpt_dir, cfg.model, run.runtime.precision)
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:

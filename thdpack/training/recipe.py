@@ -26,6 +26,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     - ``trainer.precision``: bf16 on CUDA, fp32 on CPU;
     - ``model.attention_backend``: ``te`` on CUDA, ``torch`` on CPU;
     - ``model.family``: ``gpt`` when absent;
+    - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
+      (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family;
     - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`);
     - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
 
@@ -40,9 +42,20 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         raise ConfigError(str(e)) from None
     out = copy.deepcopy(cfg)
     with open_dict(out):
+        if cfg.model.get("pretrained"):  # model=hf: the checkpoint's config.json decides the architecture
+            from thdpack.hf.config import HFConfigError, pretrained_model_group
+
+            try:
+                out.model = pretrained_model_group(
+                    cfg.model,
+                    seq_length=int(cfg.dataset.seq_length),
+                    tp=int(cfg.parallel.tensor_model_parallel_size),
+                )
+            except HFConfigError as e:
+                raise ConfigError(str(e)) from None
         out.trainer.precision = runtime.precision
         out.model.attention_backend = runtime.backend
-        out.model.family = cfg.model.get("family", "gpt")
+        out.model.family = out.model.get("family", "gpt")
         out.dataset.micro_batch_tokens = budget
         out.dataset.mrope = cfg.model.get("position_embedding_type") == "mrope"
     return out

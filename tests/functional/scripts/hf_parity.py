@@ -1,0 +1,144 @@
+"""Imported Hugging Face checkpoints under model parallelism compute what transformers computes.
+
+Run by tests/functional/test_hf_parallel.py as
+`torchrun --nproc_per_node=2 hf_parity.py --models DIR --layouts tp2,tp2sp,pp2,cp2,ep2`, DIR holding one saved
+model per family of tests/hf_models.py. For each layout (Megatron's parallel state rebuilt in the same processes)
+and each family (every family under TP/SP/PP/CP, the MoE families under EP too), every rank builds its chunk of
+thdpack's model, loads its slices of the checkpoint (thdpack.hf.load) and runs one packed micro-batch of four
+samples through Megatron's schedule (forward only):
+  - the logits (gathered over tensor and context parallelism; last pipeline stage) equal transformers' logits of
+    each sample alone, max abs difference <= 1e-4; padded vocabulary rows (llama2: 301 ids, 302 rows under TP2)
+    are -inf;
+  - the per-token loss of thdpack's own forward step equals transformers' loss on the padded batch (rel 1e-6).
+Prints one line per layout and family with the measured differences.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: tests.hf_models
+warnings.filterwarnings("ignore")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+from tests.hf_models import DENSE, MOE, build, hf_logits_per_sample, hf_loss, megatron_model, padded_batch  # noqa: E402
+from thdpack import cp_unshard  # noqa: E402
+from thdpack.megatron.batch import BatchConfig, get_batch  # noqa: E402
+from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
+from thdpack.megatron.loss import LM_LOSS  # noqa: E402
+from thdpack.megatron.step import make_forward_step  # noqa: E402
+
+LAYOUTS = {
+    # name: (parallel sizes, sequence parallel, families)
+    "tp2": ({"tensor_model_parallel_size": 2}, False, DENSE + MOE),
+    "tp2sp": ({"tensor_model_parallel_size": 2}, True, DENSE + MOE),
+    "pp2": ({"pipeline_model_parallel_size": 2}, False, DENSE + MOE),
+    "cp2": ({"context_parallel_size": 2}, False, DENSE + MOE),
+    "ep2": ({"expert_model_parallel_size": 2}, False, MOE),
+}
+SEQ = 64
+
+
+def schedule(model, batch, forward_step):
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([batch]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=True,
+    )
+
+
+def packed_logits(model, batch):
+    """The last stage's logits [1, T, V_model] (gathered over TP) and the samples' starts; None elsewhere."""
+    captured = {}
+
+    def forward_step(data_iterator, model):
+        inputs = get_batch(data_iterator, model.config, BatchConfig())
+        output = model(
+            inputs.tokens,
+            inputs.position_ids,
+            None,
+            packed_seq_params=inputs.packed_seq_params,
+            padding_mask=inputs.padding_mask,
+        )
+        captured["starts"] = inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
+
+        def keep(output):
+            captured["logits"] = output.detach()
+            zero = output.sum() * 0
+            return zero, torch.ones((), dtype=torch.int), {}
+
+        return output, keep
+
+    with torch.no_grad():
+        schedule(model, batch, forward_step)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None, None
+    local = captured["logits"]
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    logits = torch.cat(parts, dim=-1)
+    if ps.get_context_parallel_world_size() > 1:  # each CP rank holds its zigzag chunks of every sample
+        shards = [torch.empty_like(logits) for _ in range(ps.get_context_parallel_world_size())]
+        dist.all_gather(shards, logits.contiguous(), group=ps.get_context_parallel_group())
+        logits = cp_unshard(shards, torch.tensor(captured["starts"]), dim=1)
+    return logits, captured["starts"]
+
+
+def check(layout: str, family: str, directory: Path, sequence_parallel: bool) -> None:
+    hf = build(family)
+    vocab = hf.config.vocab_size
+    batch = padded_batch(vocab, seed=dist.get_rank() if ps.get_data_parallel_world_size() > 1 else 0)
+    model = megatron_model(directory / family, seq_length=SEQ, sequence_parallel=sequence_parallel)
+    logits, starts = packed_logits(model, batch)
+    with torch.no_grad():
+        reports = schedule(model, batch, make_forward_step(BatchConfig()))
+    if logits is None:
+        return
+    worst = max(
+        float((logits[0, starts[i] : starts[i] + len(ref), :vocab] - ref).abs().max())
+        for i, ref in enumerate(hf_logits_per_sample(hf, batch))
+    )
+    assert torch.isneginf(logits[..., vocab:]).all(), f"{layout} {family}: a padded vocabulary row was finite"
+    loss = float(LM_LOSS.reduce(reports)) if ps.get_data_parallel_world_size() == 1 else None
+    want = hf_loss(hf, batch)
+    if loss is None:  # data-parallel ranks (EP) saw different batches: this rank's own loss
+        total = torch.stack([r[LM_LOSS.key] for r in reports]).sum(0)
+        loss = float(total[0] / total[1])
+    print(
+        f"[{layout}] rank {dist.get_rank()} {family}: max|logit diff| {worst:.3g}, loss {loss:.6f} "
+        f"transformers {want:.6f} (diff {loss - want:.3g}), model vocab {logits.shape[-1]}",
+        flush=True,
+    )
+    assert worst <= 1e-4, f"{layout} {family}: logits differ by {worst}"
+    assert abs(loss - want) <= 1e-6 * abs(want), f"{layout} {family}: loss {loss} vs transformers {want}"
+
+
+def main(models: Path, layouts: list[str]) -> None:
+    for layout in layouts:
+        sizes, sequence_parallel, families = LAYOUTS[layout]
+        initialize_model_parallel_cpu(**sizes, seed=1234)
+        for family in families:
+            check(layout, family, models, sequence_parallel)
+        print(f"[{layout}] rank {dist.get_rank()}: all families match", flush=True)
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    main(args.models, args.layouts.split(","))

@@ -1,0 +1,157 @@
+"""From a Hugging Face directory through packed training to a Hugging Face directory: ``python -m thdpack.train
+model=hf model.pretrained=DIR`` under torchrun (2 ranks, TP2 with sequence parallelism, a Qwen3-MoE model: q/k
+norms, router, experts split over tensor parallelism), then ``python -m thdpack.export``. The export is what the
+checkpoint holds, bit for bit, and transformers computes with it what thdpack computes with the checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.hf_models import hf_logits_per_sample, hf_model, padded_batch, save_model
+
+from .training import REPO_ROOT, environment, run_train, tail
+
+pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``(source HF dir, checkpoint dir, exported HF dir)`` of one training run and one export."""
+    root = tmp_path_factory.mktemp("hf_e2e")
+    source = save_model("qwen3_moe", root / "source")
+    run_train(
+        [
+            "model=hf",
+            f"model.pretrained={source}",
+            f"dataset.tokenizer={source / 'tokenizer.json'}",
+            "parallel=tp2",
+            "trainer.train_iters=2",
+            "trainer.lr_warmup_iters=0",
+            f"checkpoint.dir={root / 'ckpt'}",
+        ],
+        root / "run",
+        nproc=2,
+    ).check()
+    out = root / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "thdpack.export", str(root / "ckpt"), str(out)],
+        cwd=REPO_ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    if done.returncode:
+        pytest.fail(
+            f"python -m thdpack.export exited with {done.returncode}\n{tail(done.stdout + done.stderr)}"
+        )
+    return source, root / "ckpt", out
+
+
+def test_the_export_is_a_directory_transformers_loads_with_its_tokenizer(exported):
+    source, _, out = exported
+    model = hf_model(out)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    for name in ("model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+
+def checkpoint_tensors(iteration_dir) -> dict[str, torch.Tensor]:
+    """The model tensors of a Megatron distributed checkpoint as saved (global shapes, layers stacked on dim 0),
+    read with torch.distributed.checkpoint alone."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(iteration_dir))
+    meta = reader.read_metadata().state_dict_metadata
+    keys = [k for k, m in meta.items() if hasattr(m, "size") and not k.startswith("optimizer")]
+    state = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
+    from safetensors.torch import load_file
+
+    source, ckpt, out = exported
+    hf = {}
+    for file in sorted(out.glob("model-*.safetensors")):
+        hf |= load_file(str(file))
+    raw = checkpoint_tensors(ckpt / "iter_0000002")
+    heads, groups, d = 4, 2, 16
+    per = heads // groups
+    for i in range(2):
+        h, m = f"model.layers.{i}.", "decoder.layers."
+        q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
+        fused = torch.cat(
+            [
+                torch.cat(
+                    [q[g * per * d : (g + 1) * per * d], k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]
+                )
+                for g in range(groups)
+            ]
+        )
+        assert torch.equal(raw[m + "self_attention.linear_qkv.weight"][i], fused)
+        pairs = {
+            "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+            "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+            "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+            "mlp.router.weight": "mlp.gate.weight",
+        }
+        for megatron, name in pairs.items():
+            assert torch.equal(raw[m + megatron][i], hf[h + name]), name
+        for e in range(4):
+            x = h + f"mlp.experts.{e}."
+            gate_up = torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]])
+            assert torch.equal(raw[m + "mlp.experts.experts.linear_fc1.weight"][i, e], gate_up)
+            assert torch.equal(
+                raw[m + "mlp.experts.experts.linear_fc2.weight"][i, e], hf[x + "down_proj.weight"]
+            )
+    for megatron, name in [
+        ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("output_layer.weight", "lm_head.weight"),
+        ("decoder.final_layernorm.weight", "model.norm.weight"),
+    ]:
+        assert torch.equal(raw[megatron], hf[name]), name
+    # Two Adam steps (lr at most 1e-3) moved every weight a little from the imported ones: the optimizer's main
+    # parameters started from the imported weights, not from the random initialisation.
+    imported = load_file(str(source / "model.safetensors"))
+    moved = max(float((hf[n] - imported[n]).abs().max()) for n in imported)
+    assert 0 < moved < 2e-3
+
+
+@pytest.fixture
+def one_rank_megatron(tmp_path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from thdpack.megatron import cpu
+
+    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    cpu.initialize_model_parallel_cpu(seed=1234)
+    yield
+    cpu.destroy_model_parallel_cpu()
+
+
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
+    from thdpack.hf.export import load_checkpoint_model
+    from thdpack.megatron.batch import BatchConfig, get_batch
+
+    _, ckpt, out = exported
+    gpt = load_checkpoint_model(ckpt / "iter_0000002", ckpt / "hf").eval()
+    batch = padded_batch(300)
+    with torch.no_grad():
+        inputs = get_batch(iter([batch]), gpt.config, BatchConfig())
+        logits = gpt(inputs.tokens, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+    starts = inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
+    for i, ref in enumerate(hf_logits_per_sample(hf_model(out), batch)):
+        assert float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max()) <= 1e-4

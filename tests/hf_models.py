@@ -1,0 +1,206 @@
+"""Tiny Hugging Face models of every family thdpack imports, built with transformers from a config (random
+weights, no download) and saved with ``save_pretrained`` (safetensors).
+
+    directory = save_model("qwen3", tmp_path / "qwen3")     # config.json, model.safetensors, tokenizer files
+    model = hf_model(directory)                             # transformers' own model on those weights, fp32
+    model = build("qwen3")                                  # the same weights without the round trip to disk
+
+Every family: 2 layers, hidden 64, 4 query heads in 2 groups (GQA). RoPE is given as transformers 4 named it
+(``rope_theta``, ``rope_scaling``), which transformers 5 still takes and saves as ``rope_parameters``. Weights
+are drawn wider than transformers' initialisation (std 0.02 makes every logit about 0 and hides layout errors),
+norms around 1, biases non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 300
+LLAMA3_SCALING = {  # Llama 3.1's values: Megatron's RotaryEmbedding(rope_scaling=True) hard-codes all but factor
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Values of one's own: scaling bites at short positions (wavelengths past 64 tokens are divided by 4).
+OWN_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 3.0,
+    "original_max_position_embeddings": 64,
+}
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+)
+
+# name: (transformers config class, model class, config keywords)
+FAMILIES = {
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=301, tie_word_embeddings=False)),
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling=LLAMA3_SCALING,
+        ),
+    ),
+    "llama3_own_scaling": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(max_position_embeddings=256, rope_theta=10000.0, rope_scaling=OWN_SCALING),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),  # head_dim != hidden / heads
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+    ),
+    "qwen3_moe_unnormed": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False
+        ),
+    ),
+}
+DENSE = [f for f in FAMILIES if "moe" not in f]
+MOE = [f for f in FAMILIES if "moe" in f]
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """transformers' model of ``family`` with random weights (fp32, eval mode, eager attention)."""
+    import transformers
+
+    config_class, model_class, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        **{**_COMMON, "vocab_size": VOCAB, **kwargs, **overrides}, attn_implementation="eager"
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def save_model(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """``build(family)`` saved to ``directory`` (safetensors) with a small tokenizer; returns the directory."""
+    directory = Path(directory)
+    model = build(family, seed, **overrides)
+    model.save_pretrained(directory)
+    write_tokenizer(directory, model.config.vocab_size)
+    return directory
+
+
+def hf_model(directory: str | Path):
+    """transformers' model from a saved directory (``AutoModelForCausalLM``, local files only), fp32, eager."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        directory, local_files_only=True, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level BPE ``tokenizer.json`` trained on a few lines of text, with at most ``vocab_size`` ids and an
+    ``<|endoftext|>`` token, plus ``tokenizer_config.json``: the files an export copies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = [json.__doc__ or "", torch.__doc__ or "", "def f(x):\n    return x + 1\n"] * 4
+    tokenizer.train_from_iterator(text, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}, indent=2)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two sides of a comparison: a padded batch, transformers on each sample alone, thdpack's Megatron model
+
+
+LENGTHS = (7, 13, 5, 10)  # four samples of different lengths
+
+
+def padded_batch(vocab: int, lengths=LENGTHS, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded ``tokens`` and 0/1 ``attention_mask`` ``[len(lengths), max(lengths)]``, random real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    return {
+        "tokens": torch.randint(0, vocab, (len(lengths), width), generator=g) * mask,
+        "attention_mask": mask,
+    }
+
+
+@torch.no_grad()
+def hf_logits_per_sample(model, batch) -> list[torch.Tensor]:
+    """transformers' logits ``[L_i, V]`` of each sample run alone (no padding, no mask)."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    return [model(batch["tokens"][i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
+
+
+@torch.no_grad()
+def hf_loss(model, batch) -> float:
+    """transformers' mean per-token loss on the padded batch (labels -100 on pad; it shifts them itself)."""
+    labels = batch["tokens"].masked_fill(batch["attention_mask"] == 0, -100)
+    return float(model(batch["tokens"], attention_mask=batch["attention_mask"], labels=labels).loss)
+
+
+def megatron_model(
+    directory, seq_length: int = 64, vocab_size: int | None = None, sequence_parallel: bool = False
+):
+    """thdpack's Megatron ``GPTModel`` of an HF directory for this rank's parallel layout (Megatron's parallel
+    state must be initialised), as the training loop's ``hf`` family builds it (weights loaded), torch attention,
+    fp32, not wrapped. ``vocab_size``: the model's vocabulary instead of the recipe's (to force padding rows)."""
+    from megatron.core import parallel_state as ps
+
+    from thdpack.hf.config import pretrained_model_group
+    from thdpack.hf.family import HF
+    from thdpack.megatron.config import transformer_config
+    from thdpack.megatron.runtime import Runtime
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = pretrained_model_group(
+        {"pretrained": str(directory), "attention_backend": "torch"}, seq_length=seq_length, tp=tp
+    )
+    parallel = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "sequence_parallel": sequence_parallel,
+    }
+    runtime = Runtime("cpu", "fp32", "torch")
+    config = transformer_config(group, parallel, runtime)
+    return HF.build(group, config, vocab_size or group["vocab_size"], seq_length, runtime).eval()

@@ -1,0 +1,240 @@
+"""Load a Hugging Face checkpoint into this rank's Megatron-core model chunk(s).
+
+    module = GPT.build(group, config, vocab_size, seq_length, runtime)   # group: thdpack.hf.config
+    load_pretrained(module, "path/to/hf_dir")   # before the optimizer takes its fp32 copies (thdpack.hf.family)
+
+Each rank opens the safetensors files memory-mapped (``safe_open``) and reads only the rows and columns it holds
+(``get_slice``): its pipeline stage's layers, its experts, its tensor-parallel slice. No rank materialises the
+whole model. Beside the weights it sets what the weights alone do not carry: RoPE's inverse frequencies from the
+checkpoint's ``rope_theta`` and Llama 3 scaling, and, where Megatron pads the vocabulary (tensor parallelism not
+dividing it), logits of ``-inf`` on the padded rows, so that no softmax (the loss's or anyone's reading the
+logits) ever gives them probability. The mask sits on the output layer's forward: a loss that computes the
+logits without calling it (a fused output-layer cross entropy) must mask those rows itself.
+
+A checkpoint tensor the model has no place for, a model tensor the checkpoint lacks, or a shape that does not fit
+stops the load, naming the key, the file and the rule. Checked against transformers 5.24.0 (CPU) and 5.17 (GPU).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import read_hf_config, rope_settings
+from .mapping import (
+    VOCAB,
+    Dims,
+    Shard,
+    active_rules,
+    expected_hf_names,
+    features,
+    hf_shapes,
+    match_name,
+    to_megatron,
+)
+
+__all__ = ["SafetensorsReader", "load_pretrained", "never_predict_padding", "set_rotary_frequencies"]
+
+
+class SafetensorsReader:
+    """The tensors of an HF directory (``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json``), opened memory-mapped on first use; reads return only the asked slice."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        single = self.directory / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        else:
+            found = sorted(p.name for p in self.directory.glob("*.bin"))
+            raise ValueError(
+                f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
+                + (f" (found {found}: thdpack reads weights through safetensors only)" if found else "")
+            )
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def _slice(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            if not path.is_file():
+                raise ValueError(f"{path} (listed for '{name}' in the index) does not exist")
+            self._open[path] = safe_open(path, framework="pt")
+        try:
+            return self._open[path].get_slice(name)
+        except Exception as e:  # safetensors raises its own error type for a missing name
+            raise ValueError(f"{path} does not hold '{name}' although the index says so") from e
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        part = self._slice(name)
+        return part[rows] if len(part.get_shape()) == 1 else part[rows, cols]
+
+    def where(self, name: str) -> str:
+        return str(self.files[name])
+
+
+def load_pretrained(model, directory: str | Path) -> int:
+    """Load ``directory``'s weights into ``model`` (this rank's chunk, or a list of chunks; DDP / Float16Module
+    wrappers are looked through), set its RoPE frequencies and mask its padded vocabulary rows. Returns the
+    number of tensors loaded on this rank."""
+    from thdpack.megatron.unwrap import unwrap_model
+
+    hf = read_hf_config(directory)
+    reader = SafetensorsReader(directory)
+    loaded = 0
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        gpt = unwrap_model(chunk)
+        loaded += load_weights(gpt, reader, hf)
+        set_rotary_frequencies(gpt, hf)
+        never_predict_padding(gpt, int(hf["vocab_size"]))
+    return loaded
+
+
+def _parallel() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "etp_rank": ps.get_expert_tensor_parallel_rank(),
+        "etp_size": ps.get_expert_tensor_parallel_world_size(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "ep_size": ps.get_expert_model_parallel_world_size(),
+    }
+
+
+def load_weights(gpt, reader: SafetensorsReader, hf: dict) -> int:
+    """Copy this rank's slice of every checkpoint tensor into ``gpt`` (a bare ``GPTModel`` chunk)."""
+    config = gpt.config
+    tied = bool(gpt.share_embeddings_and_output_weights)
+    rules = active_rules(features(config, tied))
+    experts = config.num_moe_experts or 0
+    expected = expected_hf_names(rules, config.num_layers, experts)
+    present = reader.names()
+    # a tied checkpoint that keeps lm_head anyway: accepted where it equals the embedding (checked below)
+    extra_head = tied and "lm_head.weight" in present
+    missing = sorted(expected - present)
+    unexpected = sorted(present - expected - ({"lm_head.weight"} if extra_head else set()))
+    if missing or unexpected:
+        raise ValueError(
+            f"{reader.directory}: the checkpoint does not fit the model its config.json describes"
+            + (f"; missing {len(missing)} tensors: {missing[:8]}" if missing else "")
+            + (
+                f"; {len(unexpected)} tensors the model has no place for: {unexpected[:8]}"
+                if unexpected
+                else ""
+            )
+        )
+    par = _parallel()
+    dims = Dims(
+        config.num_attention_heads,
+        config.num_query_groups or config.num_attention_heads,
+        config.kv_channels,
+        int(hf["vocab_size"]),
+    )
+    layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
+    expert_offset = par["ep_rank"] * (experts // par["ep_size"]) if experts else 0
+    loaded = 0
+    with torch.no_grad():
+        for name, target in gpt.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state") or target is None:
+                continue
+            m = match_name(name, rules, layer_offset, expert_offset)
+            if m is None:
+                raise ValueError(
+                    f"the model's tensor '{name}' has no Hugging Face counterpart (thdpack.hf.mapping.RULES): "
+                    "a model setting beyond what config.json describes?"
+                )
+            shard = (
+                Shard(par["etp_rank"], par["etp_size"])
+                if m.rule.per_expert
+                else Shard(par["tp_rank"], par["tp_size"])
+            )
+            if m.rule.kind == VOCAB:
+                shard = Shard(par["tp_rank"], par["tp_size"])
+            names = m.hf_names
+            for hf_name, want in zip(names, hf_shapes(m.rule.kind, target.shape, shard, dims), strict=True):
+                got = reader.shape(hf_name)
+                if got != want:
+                    raise ValueError(
+                        f"{reader.where(hf_name)}: '{hf_name}' is {list(got)} but '{name}' of the model built from "
+                        f"config.json needs {list(want)} ({m.rule.kind} tensor, {shard.size}-way split)"
+                    )
+
+            def read(i, rows, cols, names=names):
+                return reader.read(names[i], rows, cols)
+
+            value = to_megatron(m.rule.kind, read, target.shape, shard, dims)
+            if extra_head and m.rule.kind == VOCAB:
+                head = to_megatron(
+                    VOCAB, lambda i, r, c: reader.read("lm_head.weight", r, c), target.shape, shard, dims
+                )
+                if not torch.equal(head, value):
+                    raise ValueError(
+                        f"{reader.where('lm_head.weight')}: tie_word_embeddings is true but 'lm_head.weight' differs "
+                        "from 'model.embed_tokens.weight': which one should the model use?"
+                    )
+            target.copy_(value)
+            loaded += 1
+    return loaded
+
+
+def inverse_frequencies(rope, theta: float, scaling: dict | None) -> torch.Tensor:
+    """RoPE's inverse frequencies for a Megatron ``RotaryEmbedding`` ``rope``: transformers' and Megatron's
+    ``1 / theta ** (2i / dim)`` (float32), then Llama 3 scaling through Megatron's own ``_apply_scaling`` with the
+    checkpoint's four values (Megatron's ``rope_scaling=True`` is that call with low/high frequency factors 1 and 4
+    and an original context of 8192 hard-coded)."""
+    dim = rope.inv_freq.numel() * 2
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if scaling:
+        inv = type(rope)._apply_scaling(rope, inv, **scaling)
+    return inv
+
+
+def set_rotary_frequencies(gpt, hf: dict) -> None:
+    """Give ``gpt``'s rotary embedding the checkpoint's frequencies (rope_theta as a float, Llama 3 scaling)."""
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if rope is None:
+        return
+    inv = inverse_frequencies(rope, *rope_settings(hf))
+    rope.inv_freq = inv.to(rope.inv_freq.device)
+    type(rope).forward.cache_clear()  # RotaryEmbedding.forward is an lru_cache over (module, lengths)
+
+
+def never_predict_padding(gpt, vocab: int) -> None:
+    """Logits of ``-inf`` on the output layer's rows past ``vocab`` (Megatron's vocabulary padding): the loss's
+    softmax gives them probability 0 and gradient 0, and anyone reading the logits sees they are no tokens."""
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None or not gpt.post_process or gpt.vocab_size <= vocab:
+        return
+    from megatron.core import parallel_state as ps
+
+    total = gpt.vocab_size
+    rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    padded = torch.arange(total) >= vocab
+    local = padded[rank * total // size : (rank + 1) * total // size]
+
+    def hook(module, args, output):
+        logits, bias = output
+        mask = padded if logits.shape[-1] == total else local
+        return logits.masked_fill(mask.to(logits.device), float("-inf")), bias
+
+    layer.register_forward_hook(hook)
