@@ -227,6 +227,9 @@ def never_predict_padding(gpt, vocab: int) -> None:
         return
     from megatron.core import parallel_state as ps
 
+    from thdpack.megatron.output_loss import VOCAB_LIMIT
+
+    setattr(gpt, VOCAB_LIMIT, vocab)  # the fused output loss (which never calls the output layer) reads it
     total = gpt.vocab_size
     rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     padded = torch.arange(total) >= vocab

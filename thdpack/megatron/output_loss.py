@@ -62,6 +62,7 @@ def linear_cross_entropy(
     chunk_tokens: int | None = None,
     impl: str = "chunked",
     compiled: bool | None = None,
+    vocab_limit: int | None = None,
 ) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight.T`` against ``labels``, without keeping the logits.
 
@@ -75,6 +76,9 @@ def linear_cross_entropy(
         chunk_tokens: tokens a chunk (default :func:`default_chunk_tokens`).
         impl: ``chunked`` or ``liger``.
         compiled: compile the element-wise parts of ``chunked`` (default: on CUDA).
+        vocab_limit: ids at or past it are vocabulary padding (Megatron pads the vocabulary to a multiple of TP):
+            their logits are ``-inf``, never predicted, as :func:`thdpack.hf.load.never_predict_padding` makes the
+            output layer's. None: every row of ``weight`` is a token.
 
     Returns:
         fp32 ``[n]`` per-token losses (0 where not counted). See the module docstring for the gradient contract.
@@ -86,6 +90,10 @@ def linear_cross_entropy(
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
     if impl == "liger" and tp > 1:
         raise ValueError("the liger output loss runs without tensor parallelism only (TP=1)")
+    if impl == "liger" and vocab_limit is not None and vocab_limit < weight.shape[0]:
+        raise ValueError(
+            "the liger output loss cannot leave out padded vocabulary rows: use model.output_loss=chunked"
+        )
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if compiled is None:
         compiled = hidden.device.type == "cuda"
@@ -99,17 +107,18 @@ def linear_cross_entropy(
         impl,
         compiled,
         needs_grad,
+        vocab_limit,
     )
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, tp_group, chunk_tokens, impl, compiled, needs_grad):
+    def forward(ctx, hidden, weight, labels, weights, tp_group, chunk_tokens, impl, compiled, needs_grad, limit):
         if impl == "liger":
             losses, grad_hidden, grad_weight = _liger(hidden, weight, labels, weights, needs_grad)
         else:
             losses, grad_hidden, grad_weight = _chunked(
-                hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, needs_grad
+                hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, needs_grad, limit
             )
         ctx.save_for_backward(grad_hidden, grad_weight, weights)
         ctx.weight_dtype = weight.dtype
@@ -138,15 +147,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         grad_hidden = grad_hidden * scale.to(grad_hidden.dtype)
         grad_weight = (grad_weight * scale).to(ctx.weight_dtype) if ctx.weight_needs_grad else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
-def _chunked(hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, needs_grad):
+def _chunked(hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, needs_grad, limit=None):
     """This module's chunk loop (torch): ``(losses, grad_hidden, grad_weight)`` for ``sum(weights * loss)``."""
     kernels = _compiled_kernels() if compiled else _KERNELS
     n = hidden.shape[0]
     vocab = weight.shape[0]
     start = dist.get_rank(tp_group) * vocab if tp_group is not None else 0
+    padded_from = None if limit is None or limit >= start + vocab else max(0, limit - start)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs_grad else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
@@ -154,6 +164,8 @@ def _chunked(hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, 
         end = min(begin + chunk_tokens, n)
         h = hidden[begin:end]
         logits = h @ weight.t()  # [c, v] in the compute dtype, as the output layer computes them
+        if padded_from is not None:
+            logits[:, padded_from:] = float("-inf")
         local = labels[begin:end] - start
         owned = (local >= 0) & (local < vocab)
         local = torch.where(owned, local, 0)
@@ -247,6 +259,9 @@ def _liger(hidden, weight, labels, weights, needs_grad):
     return loss.float(), grad_hidden, grad_weight
 
 
+# The model attribute that names the first padded vocabulary row (set by thdpack.hf.load.never_predict_padding).
+VOCAB_LIMIT = "thdpack_vocab_limit"
+
 # --- GPTModel: the output layer and compute_language_model_loss bypassed when labels are given ---------------
 
 
@@ -314,6 +329,7 @@ def _fused_postprocess(self, *, megatron_postprocess: Callable, impl: str, chunk
         tp_group=tp_group if tp > 1 else None,
         chunk_tokens=chunk,
         impl=impl,
+        vocab_limit=getattr(self, VOCAB_LIMIT, None),
     )
     return losses.view(s, b).transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss returns
 
