@@ -122,6 +122,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.data.samples import split_holdout
     from thdpack.megatron import setup
     from thdpack.megatron.batch import BatchConfig
+    from thdpack.megatron.checkpoint import resume_vocab_size
     from thdpack.megatron.step import make_forward_step
 
     _setup_logging()
@@ -166,6 +167,12 @@ def setup_run(cfg: DictConfig) -> Run:
 
     config = setup.transformer_config(cfg.model, parallel, runtime)
     vocab_size = setup.padded_vocab_size(cfg.model, tokenizer.vocab_size, config.tensor_model_parallel_size)
+    vocab_size = resume_vocab_size(
+        cfg.checkpoint.dir,
+        vocab_size,
+        config.tensor_model_parallel_size,
+        cfg.model.get("vocab_size") is not None,
+    )
     model = setup.build_model(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
     optimizer, scheduler = setup.build_optimizer(trainer, model, config)
     batch_config = BatchConfig(
@@ -249,16 +256,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the recipe ``cfg``; write metrics to ``run_dir`` (rank 0 of the last stage); return the summary."""
     from megatron.core import parallel_state as ps
 
-    from thdpack.megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from thdpack.megatron.checkpoint import (
+        check_optimizer_format,
+        latest_iteration,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from thdpack.megatron.step import reduce_loss_report
 
+    optimizer_format = check_optimizer_format(cfg.checkpoint.get("optimizer_format", "fully_reshardable"))
     run = setup_run(cfg)
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
-        state = load_checkpoint(ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler)
+        state = load_checkpoint(
+            ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler, seed=int(trainer.seed)
+        )
         data.load_state_dict(state["data"])
         iteration = int(state["iteration"])
         log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
@@ -266,7 +281,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def save(at: int) -> None:
         if ckpt_dir is not None:
             save_checkpoint(
-                ckpt_dir, at, run.model, run.optimizer, run.scheduler, {"data": data.state_dict()}
+                ckpt_dir,
+                at,
+                run.model,
+                run.optimizer,
+                run.scheduler,
+                {"data": data.state_dict()},
+                optimizer_format=optimizer_format,
             )
             log.info("saved checkpoint of iteration %d to %s", at, ckpt_dir)
 
