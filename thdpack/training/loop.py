@@ -36,6 +36,7 @@ from .checks import check_recipe, micro_batch_tokens
 from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
 from .profiling import profile
+from .stopping import MARKER, EarlyStop
 
 log = logging.getLogger("thdpack")
 
@@ -265,9 +266,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from thdpack.megatron.step import reduce_loss_report
 
     optimizer_format = check_optimizer_format(cfg.checkpoint.get("optimizer_format", "fully_reshardable"))
+    stop = EarlyStop(cfg.trainer.get("exit_duration_mins"))  # from the start: a signal during set-up counts
     run = setup_run(cfg)
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
+    if run.logging_rank:
+        (run_dir / MARKER).unlink(missing_ok=True)  # an earlier attempt's, in the same run directory
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
@@ -301,7 +305,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         start_iter=iteration,
         progress_bar=trainer.get("progress_bar", "auto"),
     )
-    skipped = 0
+    skipped, stopped_early = 0, None
     started = time.perf_counter()
     while iteration < train_iters:
         step_start = time.perf_counter()
@@ -335,6 +339,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             writer.log(record)
         if save_interval and iteration % int(save_interval) == 0:
             save(iteration)
+        stopped_early = stop.agreed() if iteration < train_iters else None
+        if stopped_early:
+            if not (save_interval and iteration % int(save_interval) == 0):
+                save(iteration)
+            stop.record(run_dir, iteration, stopped_early, ckpt_dir, write=run.logging_rank)
+            break
         if exit_interval and iteration % int(exit_interval) == 0 and iteration < train_iters:
             if not (save_interval and iteration % int(save_interval) == 0):
                 save(iteration)
@@ -347,6 +357,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "iterations": iteration,
         "wall_time_s": time.perf_counter() - started,
         "skipped_updates": skipped,
+        "stopped_early": stopped_early,
         "packed": bool(cfg.dataset.pack_sequences_in_batch),
         "device": run.runtime.device,
         "precision": run.runtime.precision,
@@ -360,6 +371,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     writer.close(summary)
     if run.logging_rank:
         log.info("summary: %s", {k: v for k, v in summary.items() if k != "data"})
+    stop.close()
     _shutdown()
     return summary
 
