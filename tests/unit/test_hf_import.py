@@ -120,7 +120,9 @@ def test_padded_vocabulary_rows_stay_out_of_the_fused_output_loss(hf_dirs, hf_mo
     model = megatron_model(hf_dirs["llama3"], vocab_size=304)
     with torch.no_grad():
         model.embedding.word_embeddings.weight[300:] = 5.0
-    use_output_loss(model, "chunked", chunk_tokens=7)  # the loss never calls the output layer and its -inf hook
+    use_output_loss(
+        model, "chunked", chunk_tokens=7
+    )  # the loss never calls the output layer and its -inf hook
     batch = padded_batch(300)
     assert packed(model, batch, labels=True) == pytest.approx(hf_loss(hf_models["llama3"], batch), rel=1e-6)
 

@@ -113,7 +113,9 @@ def linear_cross_entropy(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, tp_group, chunk_tokens, impl, compiled, needs_grad, limit):
+    def forward(
+        ctx, hidden, weight, labels, weights, tp_group, chunk_tokens, impl, compiled, needs_grad, limit
+    ):
         if impl == "liger":
             losses, grad_hidden, grad_weight = _liger(hidden, weight, labels, weights, needs_grad)
         else:

@@ -36,6 +36,7 @@ from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
 from .profiling import profile
 from .recipe import resolve_recipe
+from .stopping import MARKER, EarlyStop
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -137,6 +138,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.data.samples import split_holdout
     from thdpack.hf.tokenizer import resolve_tokenizer
     from thdpack.megatron.batch import BatchConfig, model_alignment
+    from thdpack.megatron.checkpoint import resume_vocab_size
     from thdpack.megatron.config import padded_vocab_size, transformer_config
     from thdpack.megatron.device_step import OptimizerStep
     from thdpack.megatron.distributed import wrap_model
@@ -197,7 +199,12 @@ def setup_run(cfg: DictConfig) -> Run:
         log.info("data: %s", line)
 
     config = transformer_config(cfg.model, parallel, runtime)
-    vocab_size = padded_vocab_size(cfg.model, tokenizer.vocab_size, ps.get_tensor_model_parallel_world_size())
+    tp = ps.get_tensor_model_parallel_world_size()
+    vocab_size = padded_vocab_size(cfg.model, tokenizer.vocab_size, tp)
+    # a checkpoint's padded vocabulary wins over this layout's padding (resuming TP1 -> TP2)
+    vocab_size = resume_vocab_size(
+        cfg.checkpoint.dir, vocab_size, tp, cfg.model.get("vocab_size") is not None
+    )
     module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
     model = wrap_model(module, config, runtime)
     optimizer, scheduler = build_optimizer(trainer, model, config)
@@ -309,8 +316,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the recipe ``cfg``; write metrics to ``run_dir`` (rank 0 of the last stage); return the summary."""
     from megatron.core import parallel_state as ps
 
-    from thdpack.megatron.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from thdpack.megatron.checkpoint import (
+        check_optimizer_format,
+        latest_iteration,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
+    optimizer_format = check_optimizer_format(cfg.checkpoint.get("optimizer_format", "fully_reshardable"))
+    stop = EarlyStop(cfg.trainer.get("exit_duration_mins"))  # from the start: a signal during set-up counts
     run = setup_run(cfg)
     cfg = run.cfg
     trainer, data = cfg.trainer, run.data
@@ -319,10 +333,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         from thdpack.hf.export import keep_with_checkpoint  # what python -m thdpack.export needs
 
         keep_with_checkpoint(ckpt_dir, cfg.model, run.runtime.precision)
+    if run.logging_rank:
+        (run_dir / MARKER).unlink(missing_ok=True)  # an earlier attempt's, in the same run directory
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
-        state = load_checkpoint(ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler)
+        state = load_checkpoint(
+            ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler, seed=int(trainer.seed)
+        )
         data.load_state_dict(state["data"])
         iteration = int(state["iteration"])
         log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
@@ -330,7 +348,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def save(at: int) -> None:
         if ckpt_dir is not None:
             save_checkpoint(
-                ckpt_dir, at, run.model, run.optimizer, run.scheduler, {"data": data.state_dict()}
+                ckpt_dir,
+                at,
+                run.model,
+                run.optimizer,
+                run.scheduler,
+                {"data": data.state_dict()},
+                optimizer_format=optimizer_format,
             )
             log.info("saved checkpoint of iteration %d to %s", at, ckpt_dir)
 
@@ -344,7 +368,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         start_iter=iteration,
         progress_bar=trainer.get("progress_bar", "auto"),
     )
-    skipped = 0
+    skipped, stopped_early = 0, None
     scalars = DeferredScalars(run.runtime.device)
 
     def settle(entries) -> None:
@@ -377,10 +401,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         settle(scalars.ready())
         saving = save_interval and iteration % int(save_interval) == 0
         exiting = exit_interval and iteration % int(exit_interval) == 0 and iteration < train_iters
-        if saving or exiting:
+        # every rank stops at the same step: the scheduler's warning signal or trainer.exit_duration_mins
+        stopped_early = stop.agreed() if iteration < train_iters else None
+        if saving or exiting or stopped_early:
             settle(scalars.drain())
         if saving:
             save(iteration)
+        if stopped_early:
+            if not saving:
+                save(iteration)
+            stop.record(run_dir, iteration, stopped_early, ckpt_dir, write=run.logging_rank)
+            break
         if exiting:
             if not saving:
                 save(iteration)
@@ -394,6 +425,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "iterations": iteration,
         "wall_time_s": time.perf_counter() - started,
         "skipped_updates": skipped,
+        "stopped_early": stopped_early,
         "packed": bool(cfg.dataset.pack_sequences_in_batch),
         "device": run.runtime.device,
         "precision": run.runtime.precision,
@@ -414,6 +446,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             data.dropped,
             cfg.dataset.get("overlong", "truncate"),
         )
+    stop.close()
     _shutdown()
     return summary
 
