@@ -30,10 +30,14 @@ import numpy as np
 
 __all__ = [
     "ARCHITECTURES",
+    "LanguageModelReader",
     "VLFacts",
     "build_vision_tower",
     "language_model_name",
+    "load_language_model",
     "load_vision_tower",
+    "model_group",
+    "qwen2_config",
     "read_vl_config",
     "rope_index",
     "text_config",
@@ -238,7 +242,7 @@ def build_vision_tower(config: Mapping, dtype=None):
     vision_config = Qwen2_5_VLConfig(vision_config=dict(config["vision_config"])).vision_config
     vision_config._attn_implementation = "sdpa"
     module = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-        vision_config, torch_dtype=dtype or torch.float32
+        vision_config, dtype=dtype or torch.float32
     )
     return module
 
@@ -299,3 +303,102 @@ def _safetensors_files(directory: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+# Keys of a Qwen2.5-VL config.json that belong to the vision side or name the VL wrapper (the language model
+# is read by the Qwen2 import, which refuses keys it does not know).
+_VL_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "text_config",
+        "vision_config",
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "vision_token_id",
+        "rope_scaling",
+        "rope_parameters",
+        "rope_theta",
+        "tie_word_embeddings",
+    }  # fmt: skip
+)
+
+
+def qwen2_config(config: Mapping) -> dict:
+    """The language model of a Qwen2.5-VL ``config.json`` as a ``Qwen2ForCausalLM`` ``config.json`` (what the
+    Qwen2 import reads): the text keys, plain RoPE with the checkpoint's theta (the MRoPE sections are the
+    VL family's), ``tie_word_embeddings`` from the top level."""
+    text = text_config(config)
+    rope = dict(text.pop("rope_parameters"))
+    out = {k: v for k, v in text.items() if k not in _VL_KEYS}
+    out.update(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1000000.0))},
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+    )
+    for key in ("_path", "_text"):  # the file and its text, for errors that name the line
+        if key in config:
+            out[key] = config[key]
+    return out
+
+
+def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
+    """The recipe's model group of a Qwen2.5-VL checkpoint: the Qwen2 import's group of its language model
+    (:func:`thdpack.hf.config.model_group`), with multimodal RoPE (``mrope_section``) and ``family:
+    qwen2_5_vl`` (:mod:`thdpack.megatron.vlm`)."""
+    from .config import model_group as qwen2_model_group
+
+    rope = text_config(config)["rope_parameters"]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(
+            f"{config.get('_path', 'config.json')}: rope_type '{kind}': Qwen2.5-VL's language model uses plain "
+            "multimodal RoPE (mrope_section), no scaling"
+        )
+    facts = vl_facts(config, str(config.get("_path", "config.json")))
+    group = qwen2_model_group(qwen2_config(config), seq_length=seq_length, tp=tp)
+    group["config"]["mrope_section"] = list(facts.mrope_section)
+    group.update(name="hf_qwen2_5_vl", family="qwen2_5_vl", position_embedding_type="mrope")
+    return group
+
+
+class LanguageModelReader:
+    """A Qwen2.5-VL checkpoint's tensors as the Qwen2 import reads them: the language model's only, under
+    ``Qwen2ForCausalLM`` names (:func:`language_model_name`); the vision tower's are hidden (loaded by
+    :func:`load_vision_tower`). ``reader``: :class:`thdpack.hf.load.SafetensorsReader` of the directory."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.directory = reader.directory
+        self._names = {}
+        for name in reader.names():
+            qwen2 = language_model_name(name)
+            if qwen2 is not None:
+                self._names[qwen2] = name
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def shape(self, name: str):
+        return self.reader.shape(self._names[name])
+
+    def read(self, name: str, rows=slice(None), cols=slice(None)):
+        return self.reader.read(self._names[name], rows, cols)
+
+    def where(self, name: str) -> str:
+        return f"{self.reader.where(self._names[name])} ('{self._names[name]}')"
+
+
+def load_language_model(gpt, directory: str | Path) -> int:
+    """Load a Qwen2.5-VL checkpoint's language model into ``gpt`` (this rank's bare ``GPTModel`` chunk) with
+    the Qwen2 import (per-rank slices; vocabulary padding never predicted). Returns the tensors loaded."""
+    from .config import read_hf_config
+    from .load import SafetensorsReader, load_weights, never_predict_padding
+
+    hf = qwen2_config(read_hf_config(directory))
+    loaded = load_weights(gpt, LanguageModelReader(SafetensorsReader(directory)), hf)
+    never_predict_padding(gpt, int(hf["vocab_size"]))
+    return loaded
