@@ -36,7 +36,8 @@ from .samples import Sample, SampleDataset
 __all__ = ["OVERLONG", "TrainData", "build_dataset", "build_train_data"]
 
 OVERLONG = ("truncate", "drop", "error")
-DATASETS = ("embedded", "jsonl", "megatron_indexed", "synthetic")
+DATASETS = ("embedded", "jsonl", "megatron_indexed", "synthetic", "embedded_vlm", "jsonl_vlm")
+VISION_DATASETS = ("embedded_vlm", "jsonl_vlm")  # need a vision-language checkpoint's processor as tokenizer
 _STATE_KEYS = ("consumed", "epoch", "steps", "samples_seen", "truncated", "dropped", "fillers", "real_tokens")
 
 
@@ -222,15 +223,26 @@ class TrainData:
 
 
 def build_dataset(
-    name: str, path: str | None, tokenizer, *, max_files: int | None = None, synthetic: Mapping | None = None
+    name: str,
+    path: str | None,
+    tokenizer,
+    *,
+    max_files: int | None = None,
+    synthetic: Mapping | None = None,
+    vlm: Mapping | None = None,
 ) -> SampleDataset:
-    """The dataset ``name`` (``embedded``, ``jsonl``, ``megatron_indexed`` or ``synthetic``); ``path`` is the JSONL
-    file or the indexed prefix (unused by ``embedded``; ``max_files`` is ``embedded``'s subset option);
-    ``synthetic``: the keyword arguments of :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary."""
+    """The dataset ``name`` (``embedded``, ``jsonl``, ``megatron_indexed``, ``synthetic``, or the image chat
+    datasets ``embedded_vlm`` and ``jsonl_vlm``); ``path`` is the JSONL file or the indexed prefix (unused by
+    ``embedded`` and ``embedded_vlm``; ``max_files`` is ``embedded``'s subset option); ``synthetic``: the keyword
+    arguments of :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary; ``vlm``: those of
+    :class:`~thdpack.data.embedded_vlm.EmbeddedVLDataset` but the processor. The image chat datasets take the
+    checkpoint's processor (:class:`thdpack.hf.processor.VLProcessor`) as ``tokenizer``."""
     if name == "embedded":
         from .embedded import EmbeddedDataset
 
         return EmbeddedDataset(tokenizer, max_files=max_files)
+    if name in VISION_DATASETS:
+        return _vision_dataset(name, path, tokenizer, vlm or {})
     if name == "synthetic":
         from .synthetic import SyntheticDataset
 
@@ -250,6 +262,23 @@ def build_dataset(
     from .indexed import MegatronIndexedDataset
 
     return MegatronIndexedDataset(path, tokenizer.vocab_size)
+
+
+def _vision_dataset(name: str, path: str | None, processor, options: Mapping) -> SampleDataset:
+    if not hasattr(processor, "encode_chat"):
+        raise ValueError(
+            f"dataset.name={name} needs a vision-language checkpoint's processor: set model.pretrained to a "
+            f"Qwen2.5-VL directory (its processor replaces the {getattr(processor, 'name', 'given')} tokenizer)"
+        )
+    if name == "embedded_vlm":
+        from .embedded_vlm import EmbeddedVLDataset
+
+        return EmbeddedVLDataset(processor, **dict(options))
+    if not path:
+        raise ValueError("dataset.path is required for dataset.name=jsonl_vlm")
+    from .vlm import VisionJsonlDataset
+
+    return VisionJsonlDataset(path, processor)
 
 
 _MISSING = object()
@@ -291,6 +320,7 @@ def build_train_data(
             tokenizer,
             max_files=get("max_files", None),
             synthetic=get("synthetic", None),
+            vlm=get("vlm", None),
         )
     data = TrainData(
         dataset,

@@ -348,7 +348,8 @@ def qwen2_config(config: Mapping) -> dict:
 def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
     """The recipe's model group of a Qwen2.5-VL checkpoint: the Qwen2 import's group of its language model
     (:func:`thdpack.hf.config.model_group`), with multimodal RoPE (``mrope_section``) and ``family:
-    qwen2_5_vl`` (:mod:`thdpack.megatron.vlm`)."""
+    qwen2_5_vl`` (:mod:`thdpack.megatron.vlm`); ``freeze_vision`` true (``+model.freeze_vision=false`` trains
+    the vision tower too)."""
     from .config import model_group as qwen2_model_group
 
     rope = text_config(config)["rope_parameters"]
@@ -361,7 +362,7 @@ def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
     facts = vl_facts(config, str(config.get("_path", "config.json")))
     group = qwen2_model_group(qwen2_config(config), seq_length=seq_length, tp=tp)
     group["config"]["mrope_section"] = list(facts.mrope_section)
-    group.update(name="hf_qwen2_5_vl", family="qwen2_5_vl", position_embedding_type="mrope")
+    group.update(name="hf_qwen2_5_vl", family="qwen2_5_vl", position_embedding_type="mrope", freeze_vision=True)
     return group
 
 
