@@ -125,7 +125,11 @@ def model_group(directory, seq_length: int, tp: int = 1) -> dict:
 def build(directory, group, parallel: dict, seq_length: int):
     """The VL model (fp32, torch attention, on the CPU) and its TransformerConfig, for the current process
     groups."""
-    from thdpack.megatron.setup import Runtime, transformer_config
+    try:  # setup.py split into runtime.py and config.py (issue 21)
+        from thdpack.megatron.config import transformer_config
+        from thdpack.megatron.runtime import Runtime
+    except ImportError:
+        from thdpack.megatron.setup import Runtime, transformer_config
     from thdpack.megatron.vlm import build_vlm
 
     runtime = Runtime("cpu", "fp32", "torch")
@@ -162,8 +166,14 @@ def thdpack_forward(
     )
     shard = packed.shard_for_cp(cp_size, cp_rank)
     labels = shard.labels.masked_fill(shard.labels < 0, 0)
+    try:  # the PackedBatch -> PackedSeqParams conversion lives in thdpack.megatron (issue 21)
+        from thdpack.megatron.packed_seq_params import thd_packed_seq_params
+
+        params = thd_packed_seq_params(shard)
+    except ImportError:
+        params = shard.packed_seq_params()
     kwargs = dict(
-        packed_seq_params=shard.packed_seq_params(),
+        packed_seq_params=params,
         pixel_values=carried["pixel_values"],
         image_grid_thw=carried["image_grid_thw"],
         vision_index=shard.extra["vision_index"],

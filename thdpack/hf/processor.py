@@ -29,7 +29,7 @@ import numpy as np
 
 from .qwen2_5_vl import VLFacts, read_vl_config, rope_index, vl_facts
 
-__all__ = ["EncodedChat", "VLProcessor", "load_image_processor"]
+__all__ = ["EncodedChat", "VLProcessor", "load_image_processor", "processor_for"]
 
 
 @dataclass
@@ -201,3 +201,22 @@ class VLProcessor:
         if not spans:
             raise ValueError(f"{where}: no assistant message: the loss is on the assistant turns only")
         return spans
+
+
+def processor_for(model) -> VLProcessor | None:
+    """The processor of ``model.pretrained`` (the recipe's model group) when it is a vision-language checkpoint,
+    else None: the image chat datasets take it as their tokenizer."""
+    import json
+
+    directory = model.get("pretrained") if hasattr(model, "get") else None
+    if not directory:
+        return None
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the model import reports an unreadable directory, naming it
+    from .qwen2_5_vl import ARCHITECTURES
+
+    if not set(config.get("architectures") or []) & set(ARCHITECTURES):
+        return None
+    return VLProcessor(directory)

@@ -50,6 +50,7 @@ class VisionLanguageModel(MegatronModule):
     def __init__(self, config, language_model, visual=None, freeze_vision: bool = True):
         super().__init__(config)
         self.language_model = language_model
+        self.model_type = language_model.model_type  # Megatron's schedules read it off the wrapped model
         self.pre_process = language_model.pre_process
         self.post_process = language_model.post_process
         self.freeze_vision = freeze_vision
