@@ -89,38 +89,74 @@ def build_tokenizer(directory: Path, vocab_size: int = 320) -> dict[str, int]:
     return {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
 
-def tiny_config(ids: dict[str, int], vocab_size: int = 384, tie: bool = False) -> dict:
-    """A Qwen2.5-VL config.json (nested text_config, as transformers 5.x writes it): a 2-layer Qwen2 text
-    model, hidden 64, GQA 4/2, head dim 16 (MRoPE sections 2+3+3), and a 2-block vision tower of width 32
-    whose second block has full attention, the first window attention."""
-    return dict(
-        architectures=["Qwen2_5_VLForConditionalGeneration"],
-        model_type="qwen2_5_vl",
-        text_config=dict(
-            vocab_size=vocab_size,
+# Model sizes. tiny: a 2-layer Qwen2 text model, hidden 64, GQA 4/2, head dim 16 (MRoPE sections 2+3+3), and
+# a 2-block vision tower of width 32 whose second block has full attention, the first window attention (CPU
+# tests). small: 12 layers, hidden 1024, GQA 16/4, head dim 64 (MRoPE 8+12+12); an 8-block vision tower of
+# width 512 (GPU runs).
+SIZES = {
+    "tiny": dict(
+        text=dict(
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
+        ),
+        section=[2, 3, 3],
+        vision=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        max_side=224,
+    ),
+    "small": dict(
+        text=dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+        ),
+        section=[8, 12, 12],
+        vision=dict(
+            depth=8,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_heads=8,
+            window_size=112,
+            fullatt_block_indexes=[3, 7],
+        ),
+        max_side=448,
+    ),
+}
+
+
+def tiny_config(ids: dict[str, int], vocab_size: int = 384, tie: bool = False, size: str = "tiny") -> dict:
+    """A Qwen2.5-VL config.json (nested text_config, as transformers 5.x writes it) of ``SIZES[size]``."""
+    shape = SIZES[size]
+    return dict(
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            vocab_size=vocab_size,
+            **shape["text"],
             rms_norm_eps=1e-6,
-            max_position_embeddings=2048,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+            max_position_embeddings=32768,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=shape["section"]),
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
         ),
         vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
+            **shape["vision"],
             patch_size=14,
             spatial_merge_size=2,
             temporal_patch_size=2,
-            window_size=56,
-            out_hidden_size=64,
-            fullatt_block_indexes=[1],
+            out_hidden_size=shape["text"]["hidden_size"],
             in_channels=3,
         ),
         image_token_id=ids["<|image_pad|>"],
@@ -131,26 +167,36 @@ def tiny_config(ids: dict[str, int], vocab_size: int = 384, tie: bool = False) -
     )
 
 
-def build_tiny_vl(directory: str | Path, seed: int = 0, tie: bool = False) -> Path:
-    """Write a tiny Qwen2.5-VL directory (config, safetensors, tokenizer, chat template, image processor)."""
+def build_tiny_vl(
+    directory: str | Path, seed: int = 0, tie: bool = False, size: str = "tiny", sharp: bool = True
+) -> Path:
+    """Write a Qwen2.5-VL directory of ``SIZES[size]`` (config, safetensors, tokenizer, chat template, image
+    processor). ``sharp``: weights larger than transformers' initialisation (std 0.1; norms around 1), which
+    make the parity checks sharper; False keeps transformers' own (for training runs)."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ids = build_tokenizer(directory)
-    config = Qwen2_5_VLConfig(**{k: v for k, v in tiny_config(ids, tie=tie).items() if k != "architectures"})
+    config = Qwen2_5_VLConfig(
+        **{k: v for k, v in tiny_config(ids, tie=tie, size=size).items() if k != "architectures"}
+    )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    # Random weights as transformers initialises them are small; larger ones make the parity checks sharper.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.1)
-            elif "norm" in name or "ln_q" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.05)
+    if sharp:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.1)
+                elif "norm" in name or "ln_q" in name:
+                    p.normal_(1.0, 0.1)
+                else:
+                    p.normal_(0.0, 0.05)
     model.save_pretrained(str(directory))
-    (directory / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=1))
+    side = SIZES[size]["max_side"]
+    processor = {**IMAGE_PROCESSOR, "size": {"shortest_edge": 56 * 56, "longest_edge": side * side}}
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps({**processor, "max_pixels": side * side}, indent=1)
+    )
     return directory
