@@ -362,7 +362,9 @@ def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
     facts = vl_facts(config, str(config.get("_path", "config.json")))
     group = qwen2_model_group(qwen2_config(config), seq_length=seq_length, tp=tp)
     group["config"]["mrope_section"] = list(facts.mrope_section)
-    group.update(name="hf_qwen2_5_vl", family="qwen2_5_vl", position_embedding_type="mrope", freeze_vision=True)
+    group.update(
+        name="hf_qwen2_5_vl", family="qwen2_5_vl", position_embedding_type="mrope", freeze_vision=True
+    )
     return group
 
 
