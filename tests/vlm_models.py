@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SPECIAL_TOKENS = (
@@ -200,3 +202,9 @@ def build_tiny_vl(
         json.dumps({**processor, "max_pixels": side * side}, indent=1)
     )
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tmp_path_factory) -> Path:
+    """One tiny Qwen2.5-VL directory for the whole test session (import the fixture into a test module)."""
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny_vl"))

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.vlm_models import build_tiny_vl
+from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
 from thdpack.data.collate import collate
 from thdpack.data.embedded_vlm import COLOURS, EmbeddedVLDataset, draw_picture
 from thdpack.data.loader import TrainData
@@ -18,10 +18,10 @@ from thdpack.data.vlm import VisionJsonlDataset
 
 
 @pytest.fixture(scope="module")
-def processor(tmp_path_factory):
+def processor(tiny_vl):  # noqa: F811
     from thdpack.hf.processor import VLProcessor
 
-    return VLProcessor(build_tiny_vl(tmp_path_factory.mktemp("vl")))
+    return VLProcessor(tiny_vl)
 
 
 def picture(width: int, height: int, colour=(220, 40, 40)):

@@ -10,14 +10,14 @@ import shutil
 import pytest
 import torch
 
-from tests.vlm_models import build_tiny_vl
+from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
 from thdpack.hf.qwen2_5_vl import load_vision_tower, model_group, qwen2_config
 from thdpack.megatron.vlm import vlm_batch_transform
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return build_tiny_vl(tmp_path_factory.mktemp("vl"))
+def directory(tiny_vl):  # noqa: F811
+    return tiny_vl
 
 
 def rewritten(directory, tmp_path, edit):

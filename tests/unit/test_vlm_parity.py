@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm_models import build_tiny_vl
+from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
 from tests.vlm_parity import (
     build,
     hf_reference,
@@ -37,8 +37,8 @@ def one_rank(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory, one_rank):
-    directory = build_tiny_vl(tmp_path_factory.mktemp("vl"))
+def case(tiny_vl, one_rank):  # noqa: F811
+    directory = tiny_vl
     batch = samples(VLProcessor(directory), mixed_chats())
     reference = hf_reference(directory, batch)
     parallel = dict(

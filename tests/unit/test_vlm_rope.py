@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vlm_models import build_tiny_vl
+from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
 from thdpack.hf.qwen2_5_vl import VLFacts, rope_index
 
 FACTS = VLFacts(
@@ -39,11 +39,10 @@ def sample(*parts):
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
+def hf_model(tiny_vl):  # noqa: F811
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    directory = build_tiny_vl(tmp_path_factory.mktemp("vl"))
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(directory)).model
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tiny_vl)).model
 
 
 def transformers_rope_index(model, tokens: np.ndarray, grids: np.ndarray) -> np.ndarray:
