@@ -42,8 +42,15 @@ def collate(
         ``attention_mask`` int64 ``[B, S]``, 1 on real tokens (a prefix of each row), 0 on pad;
         ``seq_lengths`` int64 ``[B]``, the real tokens of each row (what the packer takes instead of decoding
         the mask);
-        with ``mrope``: ``mrope_position_ids`` int64 ``[3, B, S]``, text-only ids: every axis is the position
-        within the sample (pad continues counting), i.e. ``0 .. S - 1`` on every row.
+        with ``mrope`` or any sample's own ``mrope_position_ids``: ``mrope_position_ids`` int64 ``[3, B, S]``,
+        each row the sample's own ids, or text-only ids (every axis the position within the sample) for a sample
+        without them; pad continues counting from the row's largest id + 1;
+        with any sample's ``mm_token_type_ids``: ``vision_index`` int64 ``[B, S]``, on each image token 1 + its
+        ordinal among the micro-batch's image tokens in row-major order (the row of the vision tower's output
+        that replaces its embedding), 0 elsewhere;
+        each ``media`` key of the samples (``pixel_values``, ``image_grid_thw``): the samples' arrays
+        concatenated on dim 0 in row order, so image ``k`` of the micro-batch is the ``k``-th run of image
+        tokens in row-major order.
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to is '{pad_to}': it must be one of {list(PAD_TO)}")
@@ -78,6 +85,37 @@ def collate(
         "attention_mask": torch.from_numpy((np.arange(S) < lengths[:, None]).astype(np.int64)),
         "seq_lengths": torch.from_numpy(lengths),
     }
-    if mrope:
-        batch["mrope_position_ids"] = torch.arange(S, dtype=torch.int64).expand(3, B, S).contiguous()
+    if mrope or any(s.mrope_position_ids is not None for s in samples):
+        batch["mrope_position_ids"] = torch.from_numpy(_mrope_rows(samples, S))
+    if any(s.mm_token_type_ids is not None for s in samples):
+        is_image = np.zeros((B, S), dtype=bool)
+        for row, s in enumerate(samples):
+            if s.mm_token_type_ids is not None:
+                is_image[row, : len(s.tokens)] = s.mm_token_type_ids != 0
+        batch["vision_index"] = torch.from_numpy(
+            np.where(is_image, np.cumsum(is_image.ravel()).reshape(B, S), 0)
+        )
+    for key in sorted({k for s in samples for k in (s.media or {})}):
+        arrays = [s.media[key] for s in samples if s.media and key in s.media]
+        filled = [a for a in arrays if a.size] or arrays[:1]
+        batch[key] = torch.from_numpy(np.ascontiguousarray(np.concatenate(filled, axis=0)))
     return batch
+
+
+def _mrope_rows(samples: Sequence[Sample], S: int) -> np.ndarray:
+    """int64 ``[3, B, S]``: each sample's MRoPE ids (text ids when it has none), pad counting on from max + 1."""
+    out = np.empty((3, len(samples), S), dtype=np.int64)
+    for row, s in enumerate(samples):
+        L = len(s.tokens)
+        ids = s.mrope_position_ids
+        if ids is None:
+            out[:, row] = np.arange(S)
+            continue
+        if ids.shape != (3, L):
+            raise ValueError(
+                f"row {row} ({s.source}): mrope_position_ids {list(ids.shape)} do not match its {L} tokens: "
+                "[3, L] expected"
+            )
+        out[:, row, :L] = ids
+        out[:, row, L:] = (int(ids.max()) + 1 if L else 0) + np.arange(S - L)
+    return out

@@ -43,7 +43,8 @@ __all__ = [
 ]
 
 OVERLONG = ("truncate", "drop", "error")
-DATASETS = ("embedded", "embedded_sft", "jsonl", "megatron_indexed", "synthetic")
+DATASETS = ("embedded", "embedded_sft", "jsonl", "megatron_indexed", "synthetic", "embedded_vlm", "jsonl_vlm")
+VISION_DATASETS = ("embedded_vlm", "jsonl_vlm")  # need a vision-language checkpoint's processor as tokenizer
 _STATE_KEYS = ("consumed", "epoch", "steps", "samples_seen", "truncated", "dropped", "fillers", "real_tokens")
 
 
@@ -265,11 +266,15 @@ def build_dataset(
     max_files: int | None = None,
     synthetic: Mapping | None = None,
     validate: str = "auto",
+    vlm: Mapping | None = None,
 ) -> SampleDataset:
-    """The dataset ``name`` (``embedded``, ``embedded_sft``, ``jsonl``, ``megatron_indexed`` or ``synthetic``);
-    ``path`` is the JSONL file or the indexed prefix (unused by the embedded ones; ``max_files`` is their subset
-    option); ``synthetic``: the keyword arguments of :class:`~thdpack.data.synthetic.SyntheticDataset` but the
-    vocabulary; ``validate``: the JSONL start-up pass (:mod:`thdpack.data.jsonl_index`)."""
+    """The dataset ``name`` (``embedded``, ``embedded_sft``, ``jsonl``, ``megatron_indexed``, ``synthetic``, or the
+    image chat datasets ``embedded_vlm`` and ``jsonl_vlm``); ``path`` is the JSONL file or the indexed prefix
+    (unused by the embedded ones; ``max_files`` is their subset option); ``synthetic``: the keyword arguments of
+    :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary; ``validate``: the JSONL start-up pass
+    (:mod:`thdpack.data.jsonl_index`); ``vlm``: the keyword arguments of
+    :class:`~thdpack.data.embedded_vlm.EmbeddedVLDataset` but the processor. The image chat datasets take the
+    checkpoint's processor (:class:`thdpack.hf.processor.VLProcessor`) as ``tokenizer``."""
     if name == "embedded":
         from .embedded import EmbeddedDataset
 
@@ -278,6 +283,8 @@ def build_dataset(
         from .embedded_sft import EmbeddedSFTDataset
 
         return EmbeddedSFTDataset(tokenizer, max_files=max_files)
+    if name in VISION_DATASETS:
+        return _vision_dataset(name, path, tokenizer, vlm or {})
     if name == "synthetic":
         from .synthetic import SyntheticDataset
 
@@ -297,6 +304,23 @@ def build_dataset(
     from .indexed import MegatronIndexedDataset
 
     return MegatronIndexedDataset(path, tokenizer.vocab_size)
+
+
+def _vision_dataset(name: str, path: str | None, processor, options: Mapping) -> SampleDataset:
+    if not hasattr(processor, "encode_chat"):
+        raise ValueError(
+            f"dataset.name={name} needs a vision-language checkpoint's processor: set model.pretrained to a "
+            f"Qwen2.5-VL directory (its processor replaces the {getattr(processor, 'name', 'given')} tokenizer)"
+        )
+    if name == "embedded_vlm":
+        from .embedded_vlm import EmbeddedVLDataset
+
+        return EmbeddedVLDataset(processor, **dict(options))
+    if not path:
+        raise ValueError("dataset.path is required for dataset.name=jsonl_vlm")
+    from .vlm import VisionJsonlDataset
+
+    return VisionJsonlDataset(path, processor)
 
 
 _MISSING = object()
@@ -358,6 +382,7 @@ def build_train_data(
             max_files=get("max_files", None),
             synthetic=get("synthetic", None),
             validate=get("validate", "auto"),
+            vlm=get("vlm", None),
         )
     data = TrainData(
         dataset,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +22,12 @@ class Sample:
             predicts (from position ``i - 1``). ``target_mask[0]`` is never used: nothing precedes the first
             token. None means plain language modelling: every token but the first is a target.
         source: where the sample comes from, for errors and logs (``file:line``, ``prefix#document``).
+        mrope_position_ids: int64 ``[3, L]`` or None: the model's own MRoPE ids of this sample (a
+            vision-language sample: text and image tokens numbered by the checkpoint's rule); None = text ids.
+        mm_token_type_ids: int8 ``[L]`` or None: 1 on image tokens (transformers' processor output name);
+            image tokens are never targets and never cut (:meth:`truncated` refuses).
+        media: arrays that are not token-aligned, by name (``pixel_values [P, D]``, ``image_grid_thw [I, 3]``):
+            :func:`thdpack.data.collate` concatenates them over a micro-batch in row order.
 
     Worked example (byte tokenizer, SFT ``{"prompt": "Hi", "response": "Yo"}``)::
 
@@ -37,6 +44,9 @@ class Sample:
     tokens: np.ndarray
     target_mask: np.ndarray | None = None
     source: str = "?"
+    mrope_position_ids: np.ndarray | None = None
+    mm_token_type_ids: np.ndarray | None = None
+    media: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -49,9 +59,29 @@ class Sample:
         return int(np.count_nonzero(self.target_mask[1:]))
 
     def truncated(self, length: int) -> Sample:
-        """The first ``length`` tokens (and their target mask)."""
-        mask = None if self.target_mask is None else self.target_mask[:length]
-        return Sample(self.tokens[:length], mask, self.source)
+        """The first ``length`` tokens (and their target mask, MRoPE ids and token types).
+
+        Raises ``ValueError`` naming the source when an image token lies at or after ``length``: an image is
+        never cropped (its tokens and its patches must match).
+        """
+        types = self.mm_token_type_ids
+        if types is not None and types[length:].any():
+            raise ValueError(
+                f"{self.source}: sample of {len(self.tokens)} tokens has image tokens at or after position "
+                f"{length}: cutting it to {length} tokens would crop an image (raise seq_length, shrink the "
+                "images, or use overlong='drop')"
+            )
+
+        def cut(a):
+            return None if a is None else a[..., :length]
+
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[:length],
+            target_mask=cut(self.target_mask),
+            mrope_position_ids=cut(self.mrope_position_ids),
+            mm_token_type_ids=cut(types),
+        )
 
 
 class SampleDataset(Protocol):

@@ -1,0 +1,138 @@
+"""L1 Qwen2.5-VL parity under a parallel layout (torchrun, gloo on CPU): every rank computes transformers'
+reference on each sample alone, then thdpack's packed forward of the whole batch under the layout (CP: the
+vision tower on every rank, image embeddings scattered into each rank's zigzag shard; TP with sequence
+parallelism: scattered before the sequence split). Each rank compares the logits of its own tokens and checks the
+MRoPE ids of its shard against transformers' get_rope_index; the loss sums are reduced over CP.
+
+    torchrun --nproc-per-node 2 tests/functional/scripts/vlm_parity.py --layout cp2 --directory DIR
+
+Prints ``VLM PARITY OK <layout> max|dlogit|=... |dloss|=...``; raises otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.* and thdpack
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.vlm_parity import (  # noqa: E402
+    build,
+    hf_reference,
+    max_logit_difference,
+    mixed_chats,
+    model_group,
+    samples,
+    thdpack_forward,  # noqa: E402
+)
+
+LAYOUTS = {"cp2": dict(cp=2), "tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2)}
+SEQ = 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--directory", required=True)
+    args = parser.parse_args()
+    layout = LAYOUTS[args.layout]
+    cp, tp, sp = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from megatron.core import parallel_state as ps
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from thdpack.hf.processor import VLProcessor
+    from thdpack.megatron.cpu import initialize_model_parallel_cpu
+
+    torch.manual_seed(0)
+    batch = samples(VLProcessor(args.directory), mixed_chats())
+    reference = hf_reference(args.directory, batch)
+
+    initialize_model_parallel_cpu(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=1234)
+    parallel = dict(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp,
+        expert_model_parallel_size=1,
+        sequence_parallel=sp,
+    )
+    model, config = build(args.directory, model_group(args.directory, SEQ, tp), parallel, SEQ)
+    assert config.sequence_parallel == sp
+    cp_rank = ps.get_context_parallel_rank()
+    logits, where, loss_sum, count = thdpack_forward(model, batch, SEQ, cp, cp_rank, tp, sp)
+    difference = max_logit_difference(reference, logits, where)
+
+    # The MRoPE ids this rank's tokens carry are transformers' get_rope_index ids at their sample positions.
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.directory).model
+    takes_types = "mm_token_type_ids" in inspect.signature(hf.get_rope_index).parameters
+    expected_ids = []
+    for s in batch:
+        ids = torch.from_numpy(s.tokens)[None]
+        grids = torch.from_numpy(s.media["image_grid_thw"]) if len(s.media["image_grid_thw"]) else None
+        kwargs = {"mm_token_type_ids": (ids == hf.config.image_token_id).int()} if takes_types else {}
+        expected_ids.append(hf.get_rope_index(ids, image_grid_thw=grids, **kwargs)[0][:, 0])
+    from thdpack import Alignment, pack_bshd
+    from thdpack.data.collate import collate
+
+    collated = collate(batch, SEQ, pad_id=0, pad_to="longest")
+    for key in ("pixel_values", "image_grid_thw"):
+        collated.pop(key)
+    mode = "fold" if cp > 1 else "distinct"
+    shard = pack_bshd(collated, alignment=Alignment(cp_size=cp, tp_size=tp, sequence_parallel=sp, mode=mode))
+    shard = shard.shard_for_cp(cp, cp_rank)
+    from tests.vlm_parity import _owners  # noqa: E402 - the same position map thdpack_forward used
+    from thdpack.packing.context_parallel import cp_partition_indices
+
+    full = pack_bshd(collated, alignment=Alignment(cp_size=cp, tp_size=tp, sequence_parallel=sp, mode=mode))
+    positions = (
+        cp_partition_indices(full.layout.cu_seqlens_padded, cp, cp_rank)
+        if cp > 1
+        else range(full.total_tokens)
+    )
+    owner = _owners(full)
+    mrope_mismatch = 0
+    for local, p in enumerate(positions):
+        if int(p) in owner:
+            row, col = owner[int(p)]
+            mrope_mismatch += int(
+                not torch.equal(shard.mrope_position_ids[:, 0, local], expected_ids[row][:, col])
+            )
+
+    totals = torch.tensor(
+        [loss_sum, float(count), float(mrope_mismatch), float(len(where))], dtype=torch.float64
+    )
+    dist.all_reduce(totals, group=ps.get_context_parallel_group())
+    worst = torch.tensor([difference])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    loss = float(totals[0] / totals[1])
+    expected = reference.loss_sum / reference.loss_count
+    real_tokens = sum(len(s.tokens) for s in batch)
+    checks = {
+        "every real token compared once over CP": int(totals[3]) == real_tokens,
+        "loss token count": int(totals[1]) == reference.loss_count,
+        "MRoPE ids equal get_rope_index": int(totals[2]) == 0,
+        "logits within 1e-4": float(worst) <= 1e-4,
+        "loss within 1e-5 relative": abs(loss - expected) <= 1e-5 * abs(expected),
+    }
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        raise SystemExit(
+            f"rank {dist.get_rank()}: {args.layout} failed {failed}: max|dlogit|={float(worst):.3g} loss {loss} vs "
+            f"{expected}, mrope mismatches {int(totals[2])}, tokens {int(totals[3])}/{real_tokens}"
+        )
+    if dist.get_rank() == 0:
+        print(
+            f"VLM PARITY OK {args.layout} max|dlogit|={float(worst):.3g} |dloss|={abs(loss - expected):.3g}"
+        )
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

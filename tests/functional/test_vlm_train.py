@@ -1,0 +1,71 @@
+"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL directory> dataset=embedded_vlm`` trains;
+packed, padded and packed under CP2 compute the same losses step after step, and the first step's loss equals
+transformers' on the same global batch and weights.
+
+Needs the model-family registry (thdpack.megatron.families) and the ``model=hf`` recipe of the Hugging Face import:
+skipped where they are absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+
+from tests.vlm_models import build_tiny_vl
+from thdpack.training.loop import recipes_dir
+
+from .training import run_train
+
+pytestmark = [
+    pytest.mark.functional,
+    pytest.mark.skipif(
+        importlib.util.find_spec("thdpack.megatron.families") is None
+        or not (recipes_dir() / "model" / "hf.yaml").exists(),
+        reason="needs the model-family registry and the model=hf recipe",
+    ),
+]
+
+SAMPLES, MAX_SIDE, SEQ, BATCH, SEED = 64, 112, 512, 8, 1234
+VL = (
+    "dataset=embedded_vlm",
+    f"dataset.vlm.num_samples={SAMPLES}",
+    f"dataset.vlm.max_side={MAX_SIDE}",
+    f"dataset.seq_length={SEQ}",
+    f"dataset.global_batch_size={BATCH}",
+    f"trainer.seed={SEED}",
+    "trainer.train_iters=3",
+)
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return build_tiny_vl(tmp_path_factory.mktemp("vl"))
+
+
+@pytest.fixture(scope="module")
+def packed(directory, tmp_path_factory):
+    model = ("model=hf", f"model.pretrained={directory}")
+    return run_train([*model, *VL], tmp_path_factory.mktemp("packed") / "run").check()
+
+
+def test_packed_padded_and_cp2_runs_train_the_same_losses(directory, packed, tmp_path):
+    model = ("model=hf", f"model.pretrained={directory}")
+    padded = run_train([*model, *VL, "dataset.pack_sequences_in_batch=false"], tmp_path / "padded").check()
+    cp2 = run_train([*model, *VL, "parallel=cp2"], tmp_path / "cp2", nproc=2, timeout=300).check()
+    print("packed", packed.losses, "padded", padded.losses, "cp2", cp2.losses)
+    assert len(packed.losses) == 3
+    assert padded.losses == pytest.approx(packed.losses, rel=1e-5)
+    assert cp2.losses == pytest.approx(packed.losses, rel=1e-5)
+
+
+def test_first_step_loss_equals_transformers_on_the_same_batch(directory, packed):
+    import torch
+
+    from benchmarks.vlm_gpu import first_batch_rows, transformers_loss
+
+    args = SimpleNamespace(samples=SAMPLES, max_side=MAX_SIDE, seq_length=SEQ, global_batch=BATCH, seed=SEED)
+    expected = transformers_loss(directory, first_batch_rows(directory, args), torch.float32, "cpu")
+    print(f"first-step loss thdpack {packed.losses[0]:.8f} transformers {expected:.8f}")
+    assert packed.losses[0] == pytest.approx(expected, rel=1e-5)

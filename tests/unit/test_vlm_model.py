@@ -1,0 +1,94 @@
+"""The Qwen2.5-VL pieces around the model call: the vision tower loads strictly from the checkpoint's safetensors
+(a missing, unexpected or misshapen tensor is named), the family's batch hook gives image-less micro-batches the
+image keys and refuses patches that do not match the grids, and the config maps to the recipe's model group."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
+from thdpack.hf.qwen2_5_vl import load_vision_tower, model_group, qwen2_config
+from thdpack.megatron.vlm import vlm_batch_transform
+
+
+@pytest.fixture(scope="module")
+def directory(tiny_vl):  # noqa: F811
+    return tiny_vl
+
+
+def rewritten(directory, tmp_path, edit):
+    """A copy of ``directory`` whose safetensors tensors went through ``edit(dict) -> dict``."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    save_file(edit(load_file(copy / "model.safetensors")), copy / "model.safetensors")
+    return copy
+
+
+def test_the_vision_tower_equals_the_checkpoints_tensors(directory):
+    from safetensors.torch import load_file
+
+    tensors = load_file(directory / "model.safetensors")
+    visual = load_vision_tower(directory)
+    for name, value in visual.state_dict().items():
+        assert torch.equal(value, tensors[f"visual.{name}"]), name
+
+
+def test_a_missing_vision_tensor_is_named(directory, tmp_path):
+    copy = rewritten(
+        directory, tmp_path, lambda t: {k: v for k, v in t.items() if k != "visual.merger.ln_q.weight"}
+    )
+    with pytest.raises(ValueError, match=r"missing \['visual.merger.ln_q.weight'\]"):
+        load_vision_tower(copy)
+
+
+def test_a_vision_tensor_of_another_shape_is_named(directory, tmp_path):
+    def edit(t):
+        t["visual.blocks.0.attn.proj.bias"] = torch.zeros(7)
+        return t
+
+    with pytest.raises(ValueError, match=r"'visual.blocks.0.attn.proj.bias' has shape \[7\]"):
+        load_vision_tower(rewritten(directory, tmp_path, edit))
+
+
+def test_the_model_group_is_the_qwen2_group_with_mrope_and_the_vl_family(directory):
+    from thdpack.hf.config import read_hf_config
+
+    config = read_hf_config(directory)
+    group = model_group(config, seq_length=256)
+    assert group["family"] == "qwen2_5_vl" and group["position_embedding_type"] == "mrope"
+    assert group["config"]["mrope_section"] == [2, 3, 3] and group["config"]["add_qkv_bias"]
+    assert group["freeze_vision"] is True
+    assert qwen2_config(config)["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_a_flat_released_config_reads_as_the_nested_one(directory):
+    """Released checkpoints keep the text keys at the top level and the sections under rope_scaling."""
+    from thdpack.hf.config import read_hf_config
+
+    nested = read_hf_config(directory)
+    text = nested["text_config"]
+    rope = text["rope_parameters"]
+    flat = {k: v for k, v in nested.items() if k not in ("text_config", "_text")}
+    flat.update({k: v for k, v in text.items() if k != "rope_parameters"})
+    flat.update(
+        rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}
+    )
+    flat["_text"] = json.dumps(flat)
+    assert model_group(flat, seq_length=256) == model_group(nested, seq_length=256)
+
+
+def test_a_micro_batch_without_images_gets_empty_image_keys():
+    batch = vlm_batch_transform({"tokens": torch.zeros(2, 4, dtype=torch.long)})
+    assert batch["image_grid_thw"].shape == (0, 3) and batch["pixel_values"].shape[0] == 0
+
+
+def test_patches_that_do_not_match_the_grids_are_refused():
+    batch = {"image_grid_thw": torch.tensor([[1, 4, 4]]), "pixel_values": torch.zeros(12, 8)}
+    with pytest.raises(ValueError, match="grids hold 16 patches but pixel_values has 12 rows"):
+        vlm_batch_transform(batch)

@@ -1,0 +1,210 @@
+"""A tiny Qwen2.5-VL Hugging Face directory, built locally (no download): random weights from a transformers
+config, a small byte-level BPE trained on the embedded_vlm phrases with Qwen's special tokens and the
+Qwen2-VL chat template, and a PIL image processor with patch 14, merge 2 (a 56x56 image is 4 image tokens).
+
+    directory = build_tiny_vl(tmp_path / "vl")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2-VL's chat template (the released Qwen2-VL / Qwen2.5-VL Instruct checkpoints ship this text).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+IMAGE_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "merge_size": 2,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 224 * 224},
+    "min_pixels": 56 * 56,
+    "max_pixels": 224 * 224,
+}
+
+
+def build_tokenizer(directory: Path, vocab_size: int = 320) -> dict[str, int]:
+    """A byte-level BPE with Qwen's special tokens and chat template, saved to ``directory``; returns the
+    special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from thdpack.data.embedded_vlm import phrases
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = phrases() + ["system", "user", "assistant", "You are a helpful assistant."]
+    tok.train_from_iterator(corpus * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
+    fast.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
+    return {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+# Model sizes. tiny: a 2-layer Qwen2 text model, hidden 64, GQA 4/2, head dim 16 (MRoPE sections 2+3+3), and
+# a 2-block vision tower of width 32 whose second block has full attention, the first window attention (CPU
+# tests). small: 12 layers, hidden 1024, GQA 16/4, head dim 64 (MRoPE 8+12+12); an 8-block vision tower of
+# width 512 (GPU runs).
+SIZES = {
+    "tiny": dict(
+        text=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        section=[2, 3, 3],
+        vision=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        max_side=224,
+    ),
+    "small": dict(
+        text=dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+        ),
+        section=[8, 12, 12],
+        vision=dict(
+            depth=8,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_heads=8,
+            window_size=112,
+            fullatt_block_indexes=[3, 7],
+        ),
+        max_side=448,
+    ),
+}
+
+
+def tiny_config(ids: dict[str, int], vocab_size: int = 384, tie: bool = False, size: str = "tiny") -> dict:
+    """A Qwen2.5-VL config.json (nested text_config, as transformers 5.x writes it) of ``SIZES[size]``."""
+    shape = SIZES[size]
+    return dict(
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            vocab_size=vocab_size,
+            **shape["text"],
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=shape["section"]),
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            **shape["vision"],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=shape["text"]["hidden_size"],
+            in_channels=3,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tie,
+    )
+
+
+def build_tiny_vl(
+    directory: str | Path, seed: int = 0, tie: bool = False, size: str = "tiny", sharp: bool = True
+) -> Path:
+    """Write a Qwen2.5-VL directory of ``SIZES[size]`` (config, safetensors, tokenizer, chat template, image
+    processor). ``sharp``: weights larger than transformers' initialisation (std 0.1; norms around 1), which
+    make the parity checks sharper; False keeps transformers' own (for training runs)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = build_tokenizer(directory)
+    config = Qwen2_5_VLConfig(
+        **{k: v for k, v in tiny_config(ids, tie=tie, size=size).items() if k != "architectures"}
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    if sharp:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.1)
+                elif "norm" in name or "ln_q" in name:
+                    p.normal_(1.0, 0.1)
+                else:
+                    p.normal_(0.0, 0.05)
+    model.save_pretrained(str(directory))
+    side = SIZES[size]["max_side"]
+    processor = {**IMAGE_PROCESSOR, "size": {"shortest_edge": 56 * 56, "longest_edge": side * side}}
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps({**processor, "max_pixels": side * side}, indent=1)
+    )
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tmp_path_factory) -> Path:
+    """One tiny Qwen2.5-VL directory for the whole test session (import the fixture into a test module)."""
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny_vl"))
