@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from pathlib import Path
 
 from thdpack.packing.layout import Alignment
 
+from .config_error import ConfigError
+from .memory import check_memory
+from .recipe_keys import check_keys, recipes_dir
+from .recipe_values import check_values
+
 __all__ = ["ConfigError", "check_recipe", "micro_batch_tokens"]
-
-
-class ConfigError(ValueError):
-    """A recipe that cannot run; the message names the keys and what to change."""
 
 
 def micro_batch_tokens(dataset: Mapping) -> int | None:
@@ -30,10 +32,27 @@ def micro_batch_tokens(dataset: Mapping) -> int | None:
     return None if budget is None else int(budget)
 
 
-def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) -> list[str]:
+def check_recipe(
+    cfg: Mapping,
+    *,
+    world_size: int,
+    device: str,
+    backend: str,
+    recipes: Path | None = None,
+    available_memory: int | None = None,
+) -> list[str]:
     """Raise :class:`ConfigError` for a recipe that cannot run on ``world_size`` processes on ``device`` with the
-    attention ``backend``; return warnings (settings that run, but not as a user may expect)."""
-    model, dataset, parallel, trainer = cfg["model"], cfg["dataset"], cfg["parallel"], cfg["trainer"]
+    attention ``backend``; return warnings (settings that run, but not as a user may expect).
+
+    In order: every key is a recipe key (``recipes``: the recipe files, default :func:`recipes_dir`), every value
+    is one megatron-core, torch and the loader accept, the layout fits the model and the world size, and the
+    model's estimated memory fits the device (``available_memory`` bytes for this host's processes, default
+    measured: see :func:`thdpack.training.memory.check_memory`).
+    """
+    recipes = recipes or recipes_dir()
+    check_keys(cfg, recipes)
+    check_values(cfg, world_size=world_size, recipes=recipes)
+    model, dataset, parallel = cfg["model"], cfg["dataset"], cfg["parallel"]
     config = model.get("config") or {}
     tp, pp = int(parallel["tensor_model_parallel_size"]), int(parallel["pipeline_model_parallel_size"])
     cp, ep = int(parallel["context_parallel_size"]), int(parallel["expert_model_parallel_size"])
@@ -137,15 +156,5 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
             "Engine); the unfused THD RoPE reads boundaries back from the GPU twice per layer"
         )
 
-    iters = int(trainer["train_iters"])
-    decay = int(trainer.get("lr_decay_iters") or iters)
-    if int(trainer["lr_warmup_iters"]) >= decay:
-        raise ConfigError(
-            f"trainer.lr_warmup_iters ({trainer['lr_warmup_iters']}) must be below the decay iterations ({decay}: "
-            "trainer.lr_decay_iters, or train_iters when null)"
-        )
-    if trainer.get("on_nonfinite", "error") not in ("error", "skip"):
-        raise ConfigError(
-            f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip"
-        )
+    check_memory(cfg, world_size=world_size, device=device, available=available_memory)
     return warnings
