@@ -156,5 +156,5 @@ def check_recipe(
             "Engine); the unfused THD RoPE reads boundaries back from the GPU twice per layer"
         )
 
-    check_memory(cfg, world_size=world_size, device=device, available=available_memory)
+    check_memory(cfg, world_size=world_size, device=device, backend=backend, available=available_memory)
     return warnings
