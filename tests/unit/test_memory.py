@@ -177,3 +177,9 @@ def test_the_gpu_figure_is_the_free_memory_of_this_ranks_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert memory.available_memory("cuda") == (3 * GIB, 1, "GPU 1 has")
     assert asked == [1]
+
+
+def test_a_model_whose_shape_is_not_in_the_recipe_is_not_estimated():
+    # e.g. a checkpoint's config.json gives the shape later: nothing to estimate from at start-up
+    cfg = recipe("model=llama3_1b", "~model.config.hidden_size")
+    check_memory(cfg, world_size=1, device="cpu", backend="torch", available=GIB)

@@ -40,6 +40,7 @@ MARGIN = 1.25
 # Peak resident memory of `python -m thdpack.train trainer.train_iters=2 dataset.max_files=20` (tiny_gpt, CPU):
 # 0.44 GiB, nearly all of it Python, torch and megatron-core.
 PROCESS_BYTES = 0.5 * GIB
+SHAPE_KEYS = frozenset({"num_layers", "hidden_size", "num_attention_heads"})
 BYTE_TOKENIZER_VOCAB = 259  # thdpack.data.tokenizer.ByteTokenizer
 # Without Transformer Engine's fused kernels (RoPE, norm + linear) a layer keeps more intermediates: this CPU's
 # measurement (10.8 GiB peak against 7.2 estimated with a factor of 1) puts activations and logits at about 1.9x;
@@ -86,13 +87,13 @@ def parameter_count(model: Mapping, vocab_size: int) -> ParameterCount:
 
     experts = int(c.get("num_moe_experts") or 0)
     if experts:
-        ffn = int(c.get("moe_ffn_hidden_size") or c["ffn_hidden_size"])
+        ffn = int(c.get("moe_ffn_hidden_size") or c.get("ffn_hidden_size") or 4 * h)
         dense = attention + norm + h * experts  # pre-MLP norm, router
         shared = c.get("moe_shared_expert_intermediate_size")
         dense += mlp(int(shared)) if shared else 0
         layer_experts = experts * mlp(ffn)
     else:
-        dense, layer_experts = attention + norm + mlp(int(c["ffn_hidden_size"])), 0
+        dense, layer_experts = attention + norm + mlp(int(c.get("ffn_hidden_size") or 4 * h)), 0
     tied = bool(model.get("share_embeddings_and_output_weights", False))
     return ParameterCount(
         layer_dense=dense,
@@ -178,10 +179,10 @@ def estimate_memory(cfg: Mapping, *, world_size: int, device: str, backend: str)
     split = 2 * heads * head_dim + 2 * groups * head_dim  # q and the attention output, k and v
     if c.get("num_moe_experts"):
         topk = int(c.get("moe_router_topk") or 2)
-        ffn = int(c.get("moe_ffn_hidden_size") or c["ffn_hidden_size"])
+        ffn = int(c.get("moe_ffn_hidden_size") or c.get("ffn_hidden_size") or 4 * h)
         split += topk * ((width + 1) * ffn + 2 * h)  # each routed copy: dispatched input, hidden, output
     else:
-        split += (width + 1) * int(c["ffn_hidden_size"])
+        split += (width + 1) * int(c.get("ffn_hidden_size") or 4 * h)  # Megatron: 4h when unset
     per_token_layer = replicated / (tp if sp else 1) + split / tp
     num_micro = _microbatches(dataset, dp)
     in_flight = min(pp, num_micro) if pp > 1 else 1
@@ -235,6 +236,8 @@ def check_memory(
     ``trainer.memory_check=false`` skips the check."""
     if not cfg["trainer"].get("memory_check", True):
         return
+    if not SHAPE_KEYS.issubset(cfg["model"].get("config") or {}):
+        return  # the shape comes from elsewhere (a checkpoint's config): nothing to estimate from yet
     estimate = estimate_memory(cfg, world_size=world_size, device=device, backend=backend)
     if available is None:
         available, processes, where = available_memory(device)
