@@ -97,7 +97,9 @@ def test_compare_picture_draws_the_packed_loss_dashed_over_the_padded_one():
 
 def test_compare_picture_writes_the_speedup_and_plots_the_loss_difference():
     fig = comparison_figure(records([3.0, 2.5], [40, 41]), records([3.0, 2.4], [30, 31]), 1.37)
-    assert fig.axes[2].get_title() == "real tokens/s: packed 1.37x padded (mean after step 1)"
+    assert (
+        fig.axes[2].get_title() == "real tokens/s: packed 1.37x padded\n(mean over the steps after the first)"
+    )
     (diff,) = [line for line in fig.axes[1].get_lines() if line.get_marker() == "o"]
     assert [round(y, 6) for y in diff.get_ydata()] == [0.0, 0.1]
 
