@@ -183,3 +183,13 @@ def test_a_model_whose_shape_is_not_in_the_recipe_is_not_estimated():
     # e.g. a checkpoint's config.json gives the shape later: nothing to estimate from at start-up
     cfg = recipe("model=llama3_1b", "~model.config.hidden_size")
     check_memory(cfg, world_size=1, device="cpu", backend="torch", available=GIB)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_llama3_8b_alone_is_refused_and_llama3_1b_passes():
+    # One 80 GB card: llama3_8b needs 18 bytes a parameter for its states alone (about 135 GiB)
+    with pytest.raises(
+        ConfigError, match=r"^model=llama3_8b needs about .* GiB: .*; GPU 0 has .* GiB available"
+    ):
+        check_memory(recipe("model=llama3_8b"), world_size=1, device="cuda", backend="te")
+    check_memory(recipe("model=llama3_1b"), world_size=1, device="cuda", backend="te")
