@@ -91,3 +91,11 @@ def test_a_bad_recipe_fails_fast_with_the_checks_message(tmp_path):
     )
     assert "data: " not in result.output
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_misspelt_key_stops_the_run_naming_the_closest_key(tmp_path):
+    # Hydra refuses trainer.train_itres=5 and suggests the +: the run would then train the default 20 iterations
+    result = run_train(["+trainer.train_itres=5"], tmp_path / "run")
+    assert result.returncode != 0
+    assert "trainer.train_itres is not a recipe key: did you mean trainer.train_iters?" in result.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

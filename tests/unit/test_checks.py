@@ -6,11 +6,12 @@ tests/functional/test_train.py.
 """
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from thdpack.training.checks import ConfigError, check_recipe
-from thdpack.training.loop import recipes_dir
 from thdpack.training.recipe import resolve_recipe
+from thdpack.training.recipe_keys import GROUPS, check_keys, group_options, recipes_dir
 
 
 def recipe(*overrides: str):
@@ -19,7 +20,13 @@ def recipe(*overrides: str):
 
 
 def check(*overrides: str, world_size: int = 1, device: str = "cpu") -> list[str]:
-    return check_recipe(resolve_recipe(recipe(*overrides), device), world_size=world_size, device=device)
+    # A fixed device size: these rules do not depend on the machine's memory (tests/unit/test_memory.py does).
+    return check_recipe(
+        resolve_recipe(recipe(*overrides), device),
+        world_size=world_size,
+        device=device,
+        available_memory=64 * 2**30,
+    )
 
 
 def fails(*overrides: str, match: str, **kwargs) -> None:
@@ -207,7 +214,10 @@ def test_on_nonfinite_is_error_or_skip():
 
 
 def test_an_unknown_alignment_mode_is_named():
-    fails("dataset.mode=interleaved", match=r"dataset\.mode is 'interleaved': Alignment\.mode must be one of")
+    fails(
+        "dataset.mode=interleaved",
+        match=r"dataset\.mode is 'interleaved': it must be one of auto, distinct, fold",
+    )
 
 
 def test_token_bucket_must_hold_the_fp8_alignment():
@@ -222,9 +232,247 @@ def test_token_bucket_must_hold_the_fp8_alignment():
     )
 
 
-def test_an_unknown_model_key_is_named_with_the_family_s_keys():
-    fails("+model.rope_scaling=2", match=r"model has unknown keys \['rope_scaling'\]: the 'gpt' family reads")
+def test_an_unknown_model_key_is_named_with_the_model_keys():
+    fails("+model.rope_scaling=2", match=r"model\.rope_scaling is not a recipe key\. The model keys are ")
 
 
 def test_an_unknown_model_family_is_named():
     fails("model.family=t5", match=r"model\.family is 't5': known families are \['gpt'")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Recipe keys: the shipped recipe files' keys (and model.config: TransformerConfig's fields).
+
+
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [(g, o) for g in GROUPS for o in group_options(recipes_dir(), g)],
+)
+def test_every_shipped_recipe_option_holds_only_known_keys(group, option):
+    check_keys(recipe(f"{group}={option}"), recipes_dir())
+
+
+def test_a_misspelt_key_added_with_plus_is_refused_naming_the_closest_key():
+    # Hydra refuses trainer.train_itres=5 and suggests +trainer.train_itres=5, which would run 20 iterations
+    fails(
+        "+trainer.train_itres=5",
+        match=r"^trainer\.train_itres is not a recipe key: did you mean trainer\.train_iters\?",
+    )
+
+
+def test_a_misspelt_group_is_refused_naming_the_closest_group():
+    fails(
+        "+trainr.lr=1e-5",
+        match=r"^trainr is not a recipe key: did you mean trainer\? The top-level keys are ",
+    )
+
+
+def test_a_misspelt_nested_key_is_refused_with_its_full_name():
+    fails(
+        "dataset=synthetic",
+        "+dataset.synthetic.medain=300",
+        match=r"^dataset\.synthetic\.medain is not a recipe key: did you mean dataset\.synthetic\.median\?",
+    )
+
+
+def test_a_key_without_a_close_match_lists_the_keys_of_its_group():
+    fails(
+        "+parallel.zzz=1",
+        match=r"^parallel\.zzz is not a recipe key\. The parallel keys are context_parallel_size, ",
+    )
+
+
+def test_a_misspelt_transformer_config_field_is_refused_naming_the_field():
+    fails(
+        "+model.config.num_layer=3",
+        match=r"^model\.config\.num_layer is not a field of megatron\.core TransformerConfig: did you mean "
+        r"model\.config\.num_layers\?",
+    )
+
+
+def test_transformer_config_fields_no_recipe_sets_are_accepted():
+    check("+model.config.apply_residual_connection_post_layernorm=false")
+
+
+@pytest.mark.parametrize(
+    "override", ["+model.attention_mask_type=causal", "+dataset.cost_weights=[1.0,0.0]"], ids=["mask", "cost"]
+)
+def test_keys_thdpack_reads_that_no_recipe_file_sets_are_accepted(override):
+    check(override)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Values megatron-core, torch or the loader would reject, refused by key.
+
+
+def library_rejects(cfg) -> bool:
+    """Whether torch's AdamW or megatron-core's OptimizerParamScheduler (0.16.1) raises on the recipe's trainer
+    values over the whole run, as thdpack's setup builds them."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = cfg.trainer
+    decay = t.lr_decay_iters or t.train_iters
+    try:
+        optimizer = torch.optim.AdamW(
+            [torch.nn.Parameter(torch.zeros(1))],
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            weight_decay=t.weight_decay,
+        )
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.lr_warmup_iters,
+            lr_decay_steps=decay,
+            lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=decay,
+            wd_incr_style="constant",
+        )
+        for _ in range(t.train_iters):
+            scheduler.step(increment=1)
+    except Exception:  # AssertionError from the scheduler, ValueError from torch, Exception for a style
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("trainer.lr=-1e-3", r"trainer\.lr is -0\.001: the peak learning rate must be > 0"),
+        ("trainer.min_lr=-1e-5", r"trainer\.min_lr is -1e-05: it must be >= 0"),
+        (
+            "trainer.lr=1e-5",
+            r"trainer\.min_lr \(0\.0001\) is above trainer\.lr \(1e-05\): .* Set trainer\.min_lr=1e-06",
+        ),
+        (
+            "trainer.lr_warmup_iters=20",
+            r"trainer\.lr_warmup_iters \(20\) must be below the decay iterations \(20",
+        ),
+        (
+            "trainer.lr_decay_style=WSD",
+            r"trainer\.lr_decay_style is 'WSD': it must be one of constant, linear, ",
+        ),
+        ("trainer.lr_decay_style=cosin", r"trainer\.lr_decay_style is 'cosin'"),
+        ("trainer.weight_decay=-0.1", r"trainer\.weight_decay is -0\.1: it must be >= 0"),
+        ("trainer.adam_beta1=1.0", r"trainer\.adam_beta1 is 1\.0: Adam's betas are in \[0, 1\)"),
+        ("trainer.adam_beta2=-0.5", r"trainer\.adam_beta2 is -0\.5: Adam's betas are in \[0, 1\)"),
+    ],
+    ids=["lr", "min_lr", "min_lr_above_lr", "warmup", "wsd", "style", "weight_decay", "beta1", "beta2"],
+)
+def test_what_megatron_core_or_torch_rejects_is_refused_naming_the_key(override, match):
+    assert library_rejects(recipe(override))  # the rule is the library's
+    fails(override, match=match)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("trainer.lr=1e-5", "trainer.min_lr=1e-5"),
+        ("trainer.train_iters=2", "trainer.lr_decay_iters=3"),
+        ("trainer.lr_warmup_iters=0", "trainer.lr_decay_style=constant"),
+        ("trainer.adam_beta1=0.0", "trainer.weight_decay=0.0", "trainer.clip_grad=0.0"),
+        ("trainer.lr_decay_style=inverse-square-root",),
+    ],
+    ids=["min_lr_equal_lr", "decay_past_the_run", "no_warmup", "zero_beta_decay_clip", "inverse_sqrt"],
+)
+def test_edge_values_the_libraries_accept_pass(overrides):
+    assert not library_rejects(recipe(*overrides))
+    assert check(*overrides) == []
+
+
+TRAINER_VALUES = [
+    ("trainer.lr=0", r"trainer\.lr is 0\.0: the peak learning rate must be > 0"),
+    ("trainer.lr=fast", r"trainer\.lr is 'fast': it must be a finite number"),
+    ("trainer.train_iters=0", r"trainer\.train_iters is 0: it must be >= 1"),
+    ("trainer.train_iters=2.5", r"trainer\.train_iters is 2\.5: it must be an integer >= 1"),
+    (
+        "trainer.lr_decay_iters=0",
+        r"trainer\.lr_decay_iters is 0: it must be >= 1 \(or null: train_iters\)",
+    ),
+    ("trainer.lr_warmup_iters=-1", r"trainer\.lr_warmup_iters is -1: it must be >= 0"),
+    ("trainer.clip_grad=-1", r"trainer\.clip_grad is -1\.0: the gradient-norm bound must be >= 0"),
+    ("trainer.seed=-1", r"trainer\.seed is -1: it must be >= 0"),
+    ("trainer.log_interval=0", r"trainer\.log_interval is 0: it must be >= 1"),
+    (
+        "trainer.exit_interval=0",
+        r"trainer\.exit_interval is 0: it must be >= 1 \(or null: run to train_iters\)",
+    ),
+    (
+        "trainer.eval_interval=0",
+        r"trainer\.eval_interval is 0: it must be >= 1 \(or null: never evaluate\)",
+    ),
+    (
+        "trainer.profile_step=21",
+        r"trainer\.profile_step \(21\) is beyond the run \(trainer\.train_iters=20\)",
+    ),
+    (
+        "trainer.progress_bar=sometimes",
+        r"trainer\.progress_bar is 'sometimes': it must be auto, true or false",
+    ),
+    ("checkpoint.save_interval=0", r"checkpoint\.save_interval is 0: it must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("override", "match"), TRAINER_VALUES, ids=[o for o, _ in TRAINER_VALUES])
+def test_trainer_values_that_cannot_run_are_refused_naming_the_key(override, match):
+    fails(override, match=match)
+
+
+def test_warmup_beyond_the_run_is_refused():
+    fails(
+        "trainer.train_iters=5",
+        "trainer.lr_warmup_iters=8",
+        "trainer.lr_decay_iters=10",
+        match=r"trainer\.lr_warmup_iters \(8\) is beyond the run \(trainer\.train_iters=5\)",
+    )
+
+
+def test_eval_sizes_are_checked_when_evaluating():
+    fails(
+        "trainer.eval_interval=5", "trainer.eval_iters=0", match=r"trainer\.eval_iters is 0: it must be >= 1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("dataset.seq_length=0", r"dataset\.seq_length is 0: it must be >= 1"),
+        ("dataset.micro_batch_size=0", r"dataset\.micro_batch_size is 0: it must be >= 1"),
+        ("dataset.global_batch_size=0", r"dataset\.global_batch_size is 0: it must be >= 1"),
+        ("dataset.mode=packed", r"dataset\.mode is 'packed': it must be one of auto, distinct, fold"),
+        ("dataset.overlong=wrap", r"dataset\.overlong is 'wrap': it must be one of truncate, drop, error"),
+        ("dataset.pad_to=max", r"dataset\.pad_to is 'max': it must be one of seq_length, longest"),
+        ("dataset.micro_batch_tokens=0", r"dataset\.micro_batch_tokens is 0: it must be >= 1"),
+        ("dataset.pad_total_to=0", r"dataset\.pad_total_to is 0: it must be >= 1"),
+        ("dataset.max_files=0", r"dataset\.max_files is 0: it must be >= 1"),
+        (
+            "parallel.tensor_model_parallel_size=0",
+            r"parallel\.tensor_model_parallel_size is 0: it must be >= 1",
+        ),
+    ],
+    ids=["seq_length", "mbs", "gbs", "mode", "overlong", "pad_to", "budget", "bucket", "max_files", "tp"],
+)
+def test_dataset_and_parallel_values_that_cannot_run_are_refused_naming_the_key(override, match):
+    fails(override, match=match)
+
+
+def test_global_batch_must_split_into_micro_batches_over_the_data_parallel_ranks():
+    # 16 samples, micro-batches of 4 samples, 8 data-parallel ranks: 16 % 32
+    fails(
+        "dataset.micro_batch_tokens=null",
+        match=r"dataset\.global_batch_size \(16\) is not divisible by dataset\.micro_batch_size \(4\) x 8 "
+        r"data-parallel rank",
+        world_size=8,
+    )
+
+
+def test_every_data_parallel_rank_needs_a_sample_of_the_global_batch():
+    fails(
+        "dataset.global_batch_size=1",
+        match=r"dataset\.global_batch_size \(1\) is below the 2 data-parallel ranks",
+        world_size=2,
+    )

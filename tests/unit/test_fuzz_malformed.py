@@ -356,7 +356,7 @@ PACKED_MUTATIONS = {
     "argmin_off": "raise",
     "sample_outgrows_slot": "raise",
     "padding_mask_flipped": "raise",
-    "loss_on_pad": "either",  # raises where there is pad
+    "loss_on_pad": "pack",  # zeroed where the boundaries say pad (Megatron-LM's rule)
     "float_labels": "raise",
     "two_rows": "raise",
     "mixed_names": "raise",
@@ -421,7 +421,6 @@ def mutate_packed(batch, real, form, name, draw):
         return ("raise", real) if has_logical else ("either", None)
     elif name == "loss_on_pad":
         batch["loss_mask"] = torch.ones(1, T, dtype=torch.long)
-        return ("raise" if sum(n for _, n in real) < T else "pack"), real
     elif name == "float_labels":
         batch["labels"] = batch["labels"].float()
     elif name == "two_rows":
@@ -483,6 +482,7 @@ def test_from_packed_batch_adopts_and_round_trips_or_raises(name, data, made):
         assert torch.equal(back[want_real], batch[key][0].long()[want_real]), f"{form}/{name}: {key}"
     lm = batch["loss_mask"][0].float() * (batch["labels"][0] >= 0)
     assert torch.equal(unpack_thd(p.loss_mask, p)[0][want_real], lm[want_real])
+    assert not p.loss_mask[p.padding_mask].any(), f"{form}/{name}: loss counted on pad"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -227,6 +227,28 @@ def test_bridge_offline_form_rows_filled_by_repeating_the_last_boundary():
     assert p.cu_seqlens_padded.tolist() == [0, 7] and p.labels[0, -1] == 37
 
 
+def test_bridge_offline_form_without_padding_mask_token_count_marks_the_trailing_fill():
+    # GPTSFTPackedDataset.collate_fn with pad_seq_to_mult = 1, collated without padding_mask (before Bridge PR
+    # 5470 added it): item [10 11 12 13 14 15 16 2] gives 7 inputs in a row of width 8; the collate appends the
+    # one-token fill [7, 8) to cu_seqlens_q and writes token_count = 7. Bridge marks [7, 8) as padding.
+    batch = {
+        "tokens": torch.tensor([[10, 11, 12, 13, 14, 15, 16, 2]]),
+        "labels": torch.tensor([[11, 12, 13, 14, 15, 16, 2, 2]]),
+        "loss_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0]]),
+        "token_count": [7],
+        "attention_mask": None,
+        "cu_seqlens_q": torch.tensor([[0, 7, 8]], dtype=I32),
+        "max_seqlen_q": torch.tensor([[7]], dtype=I32),
+        "max_seqlen_kv": torch.tensor([[7]], dtype=I32),
+    }
+    batch["cu_seqlens_kv"] = batch["cu_seqlens_q"]
+    p = from_packed_batch(batch)
+    assert p.segments.length.tolist() == [7]
+    assert p.padding_mask.int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 1]]
+    assert p.labels.tolist() == [[11, 12, 13, 14, 15, 16, 2, IGNORE]]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Megatron-Bridge, in-batch packing: build_mcore_thd_sequence_batch_from_rows in
 # src/megatron/bridge/data/packing/in_batch.py (used by src/megatron/bridge/data/collators/sft.py).
@@ -279,6 +301,33 @@ def test_bridge_in_batch_form_with_cp_alignment_and_padding_mask():
     assert p.shard_for_cp(2, 0).tokens.tolist() == [
         [1, 0, 4, 0]
     ]  # TE's zigzag: chunks 0 and 3 of each sample
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Megatron-Bridge's and Megatron-LM's readers of packed batches: what they accept, thdpack adopts.
+
+
+def test_boundaries_under_leading_batch_dimensions_are_squeezed():
+    # Bridge tests/unit_tests/training/test_gpt_step.py, test_packed_seq_params_batch_dimension_removal:
+    # cu_seqlens [1, 1, 4] and max_seqlen [1, 1, 1]; get_packed_seq_params squeezes them to [0, 6, 12] and 20.
+    batch = {
+        "tokens": torch.arange(1, 13).view(1, 12),
+        "cu_seqlens": torch.tensor([[[0, 6, 12, -1]]], dtype=I32),
+        "max_seqlen": torch.tensor([[[20]]], dtype=I32),
+    }
+    p = from_packed_batch(batch)
+    assert p.cu_seqlens_padded.tolist() == [0, 6, 12]
+    assert p.max_seqlen == 6  # exact; the given 20 is an upper bound
+
+
+def test_loss_mask_on_positions_the_boundaries_declare_pad_is_zeroed():
+    # Megatron-LM megatron/core/datasets/data_schedule.py, get_batch_on_this_rank_for_sequence_packing: the
+    # padding mask built from cu_seqlens / cu_seqlens_padded zeroes loss_mask there (_sanitize_thd_padding_values).
+    batch = bridge_batch()  # samples [0, 3) and [4, 6) in slots of 4; position 3 and 6.. are pad
+    batch["loss_mask"] = torch.ones(1, 10, dtype=torch.long)
+    p = from_packed_batch(batch)
+    assert p.loss_mask.tolist() == [[1, 1, 1, 0, 1, 1, 0, 0, 0, 0]]
+    assert p.labels.tolist() == [[12, 13, 14, IGNORE, 22, 23] + [IGNORE] * 4]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -425,10 +474,10 @@ def test_padding_mask_with_a_hole_inside_a_slot_is_an_error():
         from_packed_batch(batch)
 
 
-def test_loss_on_a_pad_position_is_an_error():
+def test_boundaries_of_several_rows_are_an_error_that_says_to_split():
     batch = bridge_batch()
-    batch["loss_mask"] = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0, 0]])
-    with pytest.raises(ValueError, match="'loss_mask' counts position 3, which no sample's real tokens hold"):
+    batch["cu_seqlens"] = torch.tensor([[[0, 4, 8, -1, -1]], [[0, 4, 8, -1, -1]]], dtype=I32)
+    with pytest.raises(ValueError, match=r"'cu_seqlens' is \[2, 1, 5\]: .* split a global batch row by row"):
         from_packed_batch(batch)
 
 

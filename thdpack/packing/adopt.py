@@ -42,7 +42,8 @@ def from_packed_batch(
     """Adopt an already-packed Megatron-Bridge / NeMo batch (one THD row) as a :class:`PackedBatch`.
 
     The forms adopted, as their collate functions write them (``B = 1``: these batches train with micro-batch
-    size 1; a ``[B, K]`` array is read as ``[K]``):
+    size 1; a ``[1, K]`` or ``[1, 1, K]`` array is read as ``[K]``, as Bridge's ``get_packed_seq_params``
+    squeezes it):
 
     ============  ==========================================================================================
     NeMo          ``nemo/collections/nlp/data/language_modeling/megatron/gpt_sft_dataset.py`` and
@@ -62,7 +63,9 @@ def from_packed_batch(
                   ``cu_seqlens_kv_padded``) only when ``pad_seq_to_mult > 1``, ``max_seqlen_q`` /
                   ``max_seqlen_kv`` ``[1, 1]``, ``padding_mask`` bool ``[1, T]`` (True on the fill and on
                   alignment gaps), no sentinels: rows are filled by repeating their last boundary. Without the
-                  padded array the trailing fill is a slot of ``cu_seqlens_q``, all pad in ``padding_mask``.
+                  padded array the trailing fill is a slot of ``cu_seqlens_q``, all pad in ``padding_mask``;
+                  without ``padding_mask`` (collated before Bridge added it, or dropped on the way),
+                  ``token_count`` (the row's tokens before the fill) tells the fill slot apart.
     Bridge,       ``src/megatron/bridge/data/packing/in_batch.py`` (``build_mcore_thd_sequence_batch_from_rows``,
     in-batch      used by ``data/collators/sft.py``): 1-D ``cu_seqlens_q`` / ``_kv``, ``cu_seqlens_q_padded`` /
                   ``_kv_padded`` only when some sample is padded, 0-d ``max_seqlen_q`` / ``_kv``,
@@ -91,7 +94,10 @@ def from_packed_batch(
         the physical boundaries of the samples, ``cu_seqlens`` the logical ones), and the trailing fill slots
         and any tokens after the last boundary form one trailing pad segment. ``position_ids`` are rebuilt
         (restart at every slot); given ones must restart at 0 at each sample (host). Tokens between a sample's
-        logical and physical end are pad. ``padding_mask`` is thdpack's, equal to a given host one.
+        logical and physical end are pad. ``padding_mask`` is thdpack's, equal to a given host one. A loss mask
+        that counts a position the boundaries declare pad is zeroed there, as Megatron-LM's sequence-packing
+        scheduler does (``megatron/core/datasets/data_schedule.py``, ``_sanitize_thd_padding_values`` in
+        ``get_batch_on_this_rank_for_sequence_packing``): the boundaries, not the loss mask, say what is pad.
         ``max_seqlen`` is the longest physical segment (a given ``max_seqlen`` may be larger: a static bound
         for CUDA graphs; smaller is an error).
 
@@ -104,8 +110,7 @@ def from_packed_batch(
             entries) or where a sample outgrows its slot; a slot without a real token before a sample (fill is
             trailing); ``kv`` arrays other than ``q``; ``max_seqlen`` below a sample's slot; ``total_tokens`` other
             than ``T``; a batch of several rows; and, for host tensors, a ``padding_mask`` that disagrees with
-            the boundaries, a loss mask that counts a pad position (its target would be lost), a negative token
-            id, position ids that do not restart at a sample. On a GPU, token tensors are not read back for the
+            the boundaries, a negative token id, position ids that do not restart at a sample. On a GPU, token tensors are not read back for the
             value checks (that would cost a sync); the boundary keys always are on the host.
     """
     if not isinstance(batch, Mapping):
@@ -156,12 +161,17 @@ def from_packed_batch(
             f"batch key 'padding_mask' is on {padding_mask.device}: without logical boundaries it says which slot is "
             "fill, and from_packed_batch reads it on the host (keep it there, as the loader delivers it)"
         )
-    elif legacy and token_count is not None:
-        # Bridge's legacy form without cu_seqlens_unpadded: the slots from token_count on are the row's fill.
+    elif token_count is not None:
+        # One boundary array and no padding mask: the slots from token_count on are the row's fill. Bridge's
+        # legacy form (datasets/sft.py) and its offline form (data/packing/gpt_sft.py, GPTSFTPackedDataset.collate_fn
+        # with pad_seq_to_mult = 1) both write token_count = len(input_ids) per row and append the fill
+        # [token_count, max_length) as one more slot of cu_seqlens / cu_seqlens_q; the offline form's padding_mask,
+        # when the batch still carries it, is True exactly on [token_count, max_length).
+        key = "cu_seqlens" if legacy else "cu_seqlens_q"
         if token_count not in physical:
             raise ValueError(
-                f"batch key 'token_count' is {token_count}, not a boundary of cu_seqlens: the tokens before the "
-                "row's fill end at a slot's end"
+                f"batch key 'token_count' is {token_count}, not a boundary of {key}: the tokens before the row's "
+                "fill end at a slot's end"
             )
         lengths = np.where(physical[:-1] < token_count, slots, 0)
     else:
@@ -209,7 +219,7 @@ def from_packed_batch(
         tokens_key=tokens_key,
     )
     if on_host:
-        _check_pad(packed, padding_mask, loss_mask)
+        _check_padding_mask(packed, padding_mask)
         if position_ids is not None and position_ids.is_cpu:
             check_position_ids(position_ids, *segments.arrays[:2])
     return packed
@@ -293,12 +303,16 @@ def _pop_boundaries(fields: dict, T: int) -> tuple[np.ndarray, np.ndarray | None
 
 
 def _host_array(key: str, value) -> np.ndarray:
-    """A boundary-like key as a 1-D int64 numpy array (``[K]``, or ``[1, K]`` for one row)."""
+    """A boundary-like key as a 1-D int64 numpy array: ``[K]``, or ``[K]`` under leading size-1 dimensions
+    (``[1, K]``, ``[1, 1, K]``). Megatron-Bridge's ``get_packed_seq_params``
+    (``src/megatron/bridge/training/utils/packed_seq_utils.py``, ``_squeeze_metadata``) squeezes them away, and its
+    test ``test_packed_seq_params_batch_dimension_removal`` (``tests/unit_tests/training/test_gpt_step.py``) feeds
+    ``[1, 1, K]``."""
     check_tensor(f"batch key '{key}'", value, INTEGER_DTYPES, "boundaries are integers (int32 in every form)")
-    if value.dim() > 2 or (value.dim() == 2 and value.shape[0] != 1):
+    if value.dim() == 0 or any(size != 1 for size in value.shape[:-1]):
         raise ValueError(
-            f"batch key '{key}' is {list(value.shape)}: one packed row's boundaries are [K] or [1, K] (split a "
-            "global batch row by row)"
+            f"batch key '{key}' is {list(value.shape)}: one packed row's boundaries are [K], or [K] under leading "
+            "dimensions of size 1 ([1, K], [1, 1, K]); split a global batch row by row"
         )
     return value.reshape(-1).numpy().astype(np.int64)
 
@@ -466,10 +480,8 @@ def _check_token_key(name: str, t: torch.Tensor, tokens: torch.Tensor, tokens_ke
         )
 
 
-def _check_pad(
-    packed: PackedBatch, padding_mask: torch.Tensor | None, loss_mask: torch.Tensor | None
-) -> None:
-    """On a host row: a given padding mask equals the boundaries' pad, and no pad position carries loss."""
+def _check_padding_mask(packed: PackedBatch, padding_mask: torch.Tensor | None) -> None:
+    """On a host row: a given padding mask equals the boundaries' pad."""
     pad = packed.padding_mask.numpy().reshape(-1)
     if padding_mask is not None and padding_mask.is_cpu:
         given = padding_mask.numpy().reshape(-1)
@@ -480,14 +492,6 @@ def _check_pad(
             raise ValueError(
                 f"batch key 'padding_mask' marks position {p} as {what} but the boundaries make it {real} "
                 f"({_slot_of(packed, p)}): padding_mask is True exactly on the tokens no sample holds"
-            )
-    if loss_mask is not None and loss_mask.is_cpu:
-        counted = (loss_mask.reshape(-1) != 0).numpy() & pad
-        if counted.any():
-            p = int(np.argmax(counted))
-            raise ValueError(
-                f"batch key 'loss_mask' counts position {p}, which no sample's real tokens hold ({_slot_of(packed, p)})"
-                ": its target would be lost; the batch's boundaries and loss mask disagree"
             )
 
 

@@ -4,29 +4,44 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from pathlib import Path
 from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
 from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
 from thdpack.megatron.output_loss import check_output_loss
 
+from .config_error import ConfigError
+from .memory import check_memory
+from .recipe_keys import recipes_dir
+from .recipe_values import check_values
+
 __all__ = ["ConfigError", "check_recipe"]
 
 
-class ConfigError(ValueError):
-    """A recipe that cannot run; the message names the keys and what to change."""
+def check_recipe(
+    cfg: Mapping,
+    *,
+    world_size: int,
+    device: str,
+    recipes: Path | None = None,
+    available_memory: int | None = None,
+) -> list[str]:
+    """Raise :class:`ConfigError` for a resolved recipe (:func:`thdpack.training.recipe.resolve_recipe`, which
+    refuses unknown keys) that cannot run on ``world_size`` processes on ``device``; return warnings (settings
+    that run, but not as a user may expect).
 
-
-def check_recipe(cfg: Mapping, *, world_size: int, device: str) -> list[str]:
-    """Raise :class:`ConfigError` for a resolved recipe (:func:`thdpack.training.recipe.resolve_recipe`) that
-    cannot run on ``world_size`` processes on ``device``; return warnings (settings that run, but not as a user
-    may expect)."""
-    model, dataset, parallel, trainer = cfg["model"], cfg["dataset"], cfg["parallel"], cfg["trainer"]
+    In order: every value is one megatron-core, torch and the loader accept (:mod:`thdpack.training.recipe_values`),
+    the layout fits the model and the world size, and the model's estimated memory fits the device
+    (``available_memory`` bytes for this host's processes, default measured: :func:`thdpack.training.memory.check_memory`).
+    """
+    model, dataset, parallel = cfg["model"], cfg["dataset"], cfg["parallel"]
     backend = model["attention_backend"]
     if "auto" in (backend, dataset.get("micro_batch_tokens")):
         raise ValueError(
             "check_recipe takes a resolved recipe: pass it through thdpack.training.recipe.resolve_recipe"
         )
+    check_values(cfg, world_size=world_size, recipes=recipes or recipes_dir())
     config = model.get("config") or {}
     tp, pp = int(parallel["tensor_model_parallel_size"]), int(parallel["pipeline_model_parallel_size"])
     cp, ep = int(parallel["context_parallel_size"]), int(parallel["expert_model_parallel_size"])
@@ -153,15 +168,5 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str) -> list[str]:
             "Engine); the unfused THD RoPE reads boundaries back from the GPU twice per layer"
         )
 
-    iters = int(trainer["train_iters"])
-    decay = int(trainer.get("lr_decay_iters") or iters)
-    if int(trainer["lr_warmup_iters"]) >= decay:
-        raise ConfigError(
-            f"trainer.lr_warmup_iters ({trainer['lr_warmup_iters']}) must be below the decay iterations ({decay}: "
-            "trainer.lr_decay_iters, or train_iters when null)"
-        )
-    if trainer.get("on_nonfinite", "error") not in ("error", "skip"):
-        raise ConfigError(
-            f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip"
-        )
+    check_memory(cfg, world_size=world_size, device=device, backend=backend, available=available_memory)
     return warnings

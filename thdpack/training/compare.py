@@ -2,7 +2,8 @@
 
 Runs ``python -m thdpack.train`` twice with the same seed and samples, ``dataset.pack_sequences_in_batch=true``
 then ``false`` (any other overrides apply to both), prints real tokens/s, pad fraction, final loss and time of
-each, whether the per-step losses agree, and writes ``compare.png`` (loss and throughput curves of both runs).
+each, whether the per-step losses agree, and writes ``compare.png`` (both loss curves, their per-step difference,
+and both throughputs with the measured speedup). ``--help`` lists the recipe groups and keys.
 Both runs see the same global batches, so on real tokens they compute the same losses; packing only skips pad.
 """
 
@@ -17,7 +18,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from .metrics import plot_curves
+from .metrics import plot_comparison
+from .recipe_help import recipe_groups_help
 
 RUNS = {"packed": "true", "padded": "false"}
 
@@ -79,8 +81,10 @@ def report(results: dict[str, dict], out: Path) -> str:
     lines.append(
         f"per-step losses, packed against padded: largest relative difference {worst:.1e} over {len(pairs)} steps"
     )
-    plot_curves(
-        {name: [r for r in res["records"] if "loss" in r] for name, res in results.items()},
+    plot_comparison(
+        [r for r in packed["records"] if "loss" in r],
+        [r for r in padded["records"] if "loss" in r],
+        speedup,
         out / "compare.png",
     )
     lines.append(f"curves: {out / 'compare.png'}; runs: {out / 'packed'}, {out / 'padded'}")
@@ -89,7 +93,12 @@ def report(results: dict[str, dict], out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="other arguments: recipe overrides"
+        prog="python -m thdpack.compare",
+        usage="%(prog)s [--out DIR] [--nproc N] [group=option ...] [key=value ...]",
+        description="Train one recipe packed, then padded (same seed and samples); print both runs' real\n"
+        "tokens/s, pad fraction, final loss and time, whether their per-step losses agree, and write compare.png.",
+        epilog="Every other argument is a recipe override, applied to both runs.\n\n" + recipe_groups_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="output directory (default outputs/compare-<time>)"

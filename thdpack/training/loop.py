@@ -20,7 +20,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from .flops import FlopsModel
 from .metrics import MetricsWriter, summarize
 from .profiling import profile
 from .recipe import resolve_recipe
+from .recipe_keys import recipes_dir
 from .stopping import MARKER, EarlyStop
 
 if TYPE_CHECKING:
@@ -63,14 +63,6 @@ for _message in (
 ):
     warnings.filterwarnings("ignore", message=_message)
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-
-
-def recipes_dir() -> Path:
-    """The recipes' directory: the top-level ``recipes/`` of a source checkout (editable install), else the copy
-    a wheel installs as ``thdpack/recipes``."""
-    package = Path(str(resources.files("thdpack")))
-    checkout = package.parent / "recipes"
-    return checkout if (checkout / "train.yaml").is_file() else package / "recipes"
 
 
 def run_stamp() -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricsWriter", "plot_curves", "summarize"]
+__all__ = ["MetricsWriter", "comparison_figure", "plot_comparison", "plot_curves", "summarize"]
 
 log = logging.getLogger("thdpack")
 
@@ -146,11 +146,7 @@ def summarize(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, f
 
 def plot_curves(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """Loss and real tokens/s against step, one line per run (``runs``: name -> records)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
     for name, records in runs.items():
         steps = [r["step"] for r in records]
@@ -158,9 +154,65 @@ def plot_curves(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
         ax_tps.plot(steps, [r["real_tokens_per_s"] for r in records], label=name)
     ax_loss.set(xlabel="step", ylabel="loss (per real token)", title="training loss")
     ax_tps.set(xlabel="step", ylabel="real tokens / s", title="throughput on real tokens")
-    for ax in (ax_loss, ax_tps):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
+    _style(fig, (ax_loss, ax_tps))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_comparison(
+    packed: list[dict[str, Any]], padded: list[dict[str, Any]], speedup: float, path: Path
+) -> None:
+    """``python -m thdpack.compare``'s picture (:func:`comparison_figure`) written to ``path``."""
+    fig = comparison_figure(packed, padded, speedup)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def comparison_figure(packed: list[dict[str, Any]], padded: list[dict[str, Any]], speedup: float):
+    """Both loss curves (the packed one dashed with markers, drawn over the padded one it should cover), their
+    per-step difference, and the real tokens/s of each with the measured ``speedup`` in the title; integer steps."""
+    plt = _pyplot()
+    fig, (ax_loss, ax_diff, ax_tps) = plt.subplots(1, 3, figsize=(15, 4.2))
+    styles = {
+        "padded": dict(color="tab:orange", linewidth=3.5, alpha=0.55, zorder=2),
+        "packed": dict(color="tab:blue", linestyle="--", marker="o", markersize=4, linewidth=1.4, zorder=3),
+    }
+    for name, records in (("padded", padded), ("packed", packed)):
+        steps = [r["step"] for r in records]
+        ax_loss.plot(steps, [r["loss"] for r in records], label=name, **styles[name])
+        ax_tps.plot(steps, [r["real_tokens_per_s"] for r in records], label=name, **styles[name])
+    by_step = {r["step"]: r["loss"] for r in padded}
+    steps = [r["step"] for r in packed if r["step"] in by_step]
+    diff = [r["loss"] - by_step[r["step"]] for r in packed if r["step"] in by_step]
+    ax_diff.axhline(0.0, color="gray", linewidth=0.8)
+    ax_diff.plot(steps, diff, color="tab:green", marker="o", markersize=4)
+    ax_diff.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax_loss.set(xlabel="step", ylabel="loss (per real token)", title="training loss")
+    ax_diff.set(xlabel="step", ylabel="packed - padded", title="loss difference, per step")
+    ax_tps.set(
+        xlabel="step",
+        ylabel="real tokens / s",
+        title=f"real tokens/s: packed {speedup:.2f}x padded\n(mean over the steps after the first)",
+    )
+    _style(fig, (ax_loss, ax_diff, ax_tps))
+    return fig
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _style(fig, axes) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()

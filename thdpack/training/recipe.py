@@ -14,7 +14,8 @@ from omegaconf import DictConfig, open_dict
 from thdpack.data.loader import micro_batch_tokens
 from thdpack.megatron.runtime import resolve_runtime
 
-from .checks import ConfigError
+from .config_error import ConfigError
+from .recipe_keys import check_keys, recipes_dir
 
 __all__ = ["resolve_recipe"]
 
@@ -31,8 +32,10 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`);
     - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
 
-    Raises :class:`~thdpack.training.checks.ConfigError` naming the key for a value that has no meaning.
+    Raises :class:`~thdpack.training.checks.ConfigError` for a key that is not a recipe key (named with the
+    closest one: :func:`thdpack.training.recipe_keys.check_keys`) and for a value that has no meaning.
     """
+    check_keys(cfg, recipes_dir())
     try:
         runtime = resolve_runtime(
             cfg.trainer.get("precision", "auto"), cfg.model.get("attention_backend", "auto"), device
