@@ -19,6 +19,11 @@ Styles:
 * ``qwen3``: as ``qwen2_5`` with the ``<think>`` tokens and the exact ``chat_template`` of ``Qwen/Qwen3-*``
   (the last assistant turn after the last user query renders an empty ``<think>\\n\\n</think>\\n\\n`` block).
 
+``chat_template`` replaces the style's template: ``write_tokenizer(d, "qwen2_5",
+chat_template=QWEN2_VL_CHAT_TEMPLATE)`` lays out the tokenizer of the released Qwen2.5-VL checkpoints (Qwen2.5's
+tokens, the vision ones included, and the Qwen2-VL template, which renders an image part as
+``<|vision_start|><|image_pad|><|vision_end|>``).
+
 Usage (e.g. beside a tiny model saved with ``XxxForCausalLM(config).save_pretrained(directory)``)::
 
     info = write_tokenizer(directory, "qwen3")
@@ -33,7 +38,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["STYLES", "TokenizerInfo", "train_bpe", "write_tokenizer"]
+__all__ = ["QWEN2_VL_CHAT_TEMPLATE", "STYLES", "TokenizerInfo", "train_bpe", "write_tokenizer"]
 
 STYLES = ("llama3", "qwen2_5", "qwen3")
 
@@ -233,6 +238,23 @@ QWEN2_5_CHAT_TEMPLATE = """{%- if tools %}
 {%- endif %}
 """
 
+# Qwen/Qwen2-VL-*-Instruct and Qwen/Qwen2.5-VL-*-Instruct, chat_template.json "chat_template".
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Qwen/Qwen3-* (dense and MoE), tokenizer_config.json "chat_template".
 QWEN3_CHAT_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -336,6 +358,9 @@ class TokenizerInfo:
     eos_id: int  # the tokenizer_config's eos_token (the end of an assistant turn)
     pad_id: int
     end_of_text_id: int  # <|end_of_text|> / <|endoftext|>: a base model's end of document
+    added_ids: dict[
+        str, int
+    ]  # every added token's id (<|image_pad|>, <|vision_start|>, ... for the Qwen styles)
 
 
 def _corpus(max_chars: int) -> list[str]:
@@ -391,10 +416,12 @@ def _added(content: str, token_id: int, special: bool) -> dict:
     }
 
 
-def write_tokenizer(directory: str | Path, style: str = "llama3", vocab_size: int = 1024) -> TokenizerInfo:
+def write_tokenizer(
+    directory: str | Path, style: str = "llama3", vocab_size: int = 1024, *, chat_template: str | None = None
+) -> TokenizerInfo:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` of ``style`` (one of :data:`STYLES`) into
-    ``directory`` (created if needed; other files there are left alone). ``vocab_size``: the BPE part; the
-    family's added tokens follow it."""
+    ``directory`` (created if needed; other files there are left alone). ``chat_template``: instead of the
+    style's own. ``vocab_size``: the BPE part; the family's added tokens follow it."""
     from tokenizers import processors
 
     if style not in STYLES:
@@ -463,6 +490,8 @@ def write_tokenizer(directory: str | Path, style: str = "llama3", vocab_size: in
             "unk_token": None,
         }
         eos, pad, end_of_text, bos_id = "<|im_end|>", "<|endoftext|>", "<|endoftext|>", None
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2))
     return TokenizerInfo(
         path=directory,
@@ -472,4 +501,5 @@ def write_tokenizer(directory: str | Path, style: str = "llama3", vocab_size: in
         eos_id=ids[eos],
         pad_id=ids[pad],
         end_of_text_id=ids[end_of_text],
+        added_ids=ids,
     )

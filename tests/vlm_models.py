@@ -1,6 +1,7 @@
 """A tiny Qwen2.5-VL Hugging Face directory, built locally (no download): random weights from a transformers
-config, a small byte-level BPE trained on the embedded_vlm phrases with Qwen's special tokens and the
-Qwen2-VL chat template, and a PIL image processor with patch 14, merge 2 (a 56x56 image is 4 image tokens).
+config, the tests' Qwen2.5 tokenizer (:mod:`tests.hf_tokenizers`: a small byte-level BPE with Qwen's special and
+vision tokens) with the Qwen2-VL chat template, and a PIL image processor with patch 14, merge 2 (a 56x56 image
+is 4 image tokens).
 
     directory = build_tiny_vl(tmp_path / "vl")
 """
@@ -13,34 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.hf_tokenizers import QWEN2_VL_CHAT_TEMPLATE, TokenizerInfo, write_tokenizer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-# Qwen2-VL's chat template (the released Qwen2-VL / Qwen2.5-VL Instruct checkpoints ship this text).
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 IMAGE_PROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -61,34 +37,10 @@ IMAGE_PROCESSOR = {
 }
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 320) -> dict[str, int]:
-    """A byte-level BPE with Qwen's special tokens and chat template, saved to ``directory``; returns the
-    special tokens' ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from thdpack.data.embedded_vlm import phrases
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = phrases() + ["system", "user", "assistant", "You are a helpful assistant."]
-    tok.train_from_iterator(corpus * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=QWEN2_VL_CHAT_TEMPLATE,
-    )
-    fast.chat_template = QWEN2_VL_CHAT_TEMPLATE
-    fast.save_pretrained(str(directory))
-    return {t: fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+def build_tokenizer(directory: Path) -> TokenizerInfo:
+    """The test Qwen2.5 tokenizer (:func:`tests.hf_tokenizers.write_tokenizer`, its vision tokens included) with
+    the Qwen2-VL chat template, saved to ``directory``."""
+    return write_tokenizer(directory, "qwen2_5", chat_template=QWEN2_VL_CHAT_TEMPLATE)
 
 
 # Model sizes. tiny: a 2-layer Qwen2 text model, hidden 64, GQA 4/2, head dim 16 (MRoPE sections 2+3+3), and
@@ -137,9 +89,12 @@ SIZES = {
 }
 
 
-def tiny_config(ids: dict[str, int], vocab_size: int = 384, tie: bool = False, size: str = "tiny") -> dict:
-    """A Qwen2.5-VL config.json (nested text_config, as transformers 5.x writes it) of ``SIZES[size]``."""
-    shape = SIZES[size]
+def tiny_config(tokenizer: TokenizerInfo, tie: bool = False, size: str = "tiny") -> dict:
+    """A Qwen2.5-VL config.json (nested text_config, as transformers 5.x writes it) of ``SIZES[size]`` for
+    ``tokenizer``: its vocabulary rounded up to a multiple of 64, rows no token reaches, as in the released
+    checkpoints (151,936 rows for 151,665 tokens)."""
+    shape, ids = SIZES[size], tokenizer.added_ids
+    vocab_size = -(-tokenizer.vocab_size // 64) * 64
     return dict(
         architectures=["Qwen2_5_VLForConditionalGeneration"],
         model_type="qwen2_5_vl",
@@ -180,9 +135,9 @@ def build_tiny_vl(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    ids = build_tokenizer(directory)
+    tokenizer = build_tokenizer(directory)
     config = Qwen2_5_VLConfig(
-        **{k: v for k, v in tiny_config(ids, tie=tie, size=size).items() if k != "architectures"}
+        **{k: v for k, v in tiny_config(tokenizer, tie=tie, size=size).items() if k != "architectures"}
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)

@@ -125,12 +125,9 @@ def model_group(directory, seq_length: int, tp: int = 1) -> dict:
 def build(directory, group, parallel: dict, seq_length: int):
     """The VL model (fp32, torch attention, on the CPU) and its TransformerConfig, for the current process
     groups."""
-    try:  # setup.py split into runtime.py and config.py (issue 21)
-        from thdpack.megatron.config import transformer_config
-        from thdpack.megatron.runtime import Runtime
-    except ImportError:
-        from thdpack.megatron.setup import Runtime, transformer_config
-    from thdpack.megatron.vlm import build_vlm
+    from thdpack.hf.vlm_family import build_vlm
+    from thdpack.megatron.config import transformer_config
+    from thdpack.megatron.runtime import Runtime
 
     runtime = Runtime("cpu", "fp32", "torch")
     model_cfg = {
@@ -158,6 +155,8 @@ def thdpack_forward(
     of each, loss sum, loss count)``; logits gathered over TP."""
     from megatron.core import tensor_parallel
 
+    from thdpack.megatron.packed_seq_params import thd_packed_seq_params
+
     batch = collate(sample_list, seq_length, pad_id=0, pad_to="longest")
     carried = {k: batch.pop(k) for k in ("pixel_values", "image_grid_thw")}
     mode = "fold" if cp_size > 1 else "distinct"
@@ -166,12 +165,7 @@ def thdpack_forward(
     )
     shard = packed.shard_for_cp(cp_size, cp_rank)
     labels = shard.labels.masked_fill(shard.labels < 0, 0)
-    try:  # the PackedBatch -> PackedSeqParams conversion lives in thdpack.megatron (issue 21)
-        from thdpack.megatron.packed_seq_params import thd_packed_seq_params
-
-        params = thd_packed_seq_params(shard)
-    except ImportError:
-        params = shard.packed_seq_params()
+    params = thd_packed_seq_params(shard)
     kwargs = dict(
         packed_seq_params=params,
         pixel_values=carried["pixel_values"],

@@ -1,31 +1,19 @@
 """L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL directory> dataset=embedded_vlm`` trains;
 packed, padded and packed under CP2 compute the same losses step after step, and the first step's loss equals
 transformers' on the same global batch and weights.
-
-Needs the model-family registry (thdpack.megatron.families) and the ``model=hf`` recipe of the Hugging Face import:
-skipped where they are absent.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 
 from tests.vlm_models import build_tiny_vl
-from thdpack.training.loop import recipes_dir
 
 from .training import run_train
 
-pytestmark = [
-    pytest.mark.functional,
-    pytest.mark.skipif(
-        importlib.util.find_spec("thdpack.megatron.families") is None
-        or not (recipes_dir() / "model" / "hf.yaml").exists(),
-        reason="needs the model-family registry and the model=hf recipe",
-    ),
-]
+pytestmark = pytest.mark.functional
 
 SAMPLES, MAX_SIDE, SEQ, BATCH, SEED = 64, 112, 512, 8, 1234
 VL = (

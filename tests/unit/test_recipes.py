@@ -83,6 +83,31 @@ def test_hf_recipe_resolves_to_the_transformer_config_of_its_config_json(tmp_pat
     check_recipe(cfg, world_size=2, device="cpu")
 
 
+def vl_directory(tmp_path):
+    """A directory with a tiny Qwen2.5-VL config.json (no weights: the recipe reads config.json only)."""
+    import json
+
+    from tests.vlm_models import build_tokenizer, tiny_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config(build_tokenizer(tmp_path))))
+    return tmp_path
+
+
+def test_hf_recipe_with_a_qwen2_5_vl_directory_resolves_to_the_vl_family_with_mrope(tmp_path):
+    overrides = ("model=hf", f"model.pretrained={vl_directory(tmp_path)}", "dataset=embedded_vlm")
+    cfg = resolve_recipe(_compose(*overrides), device="cpu")
+    assert cfg.model.family == "thdpack.hf.vlm_family:QWEN2_5_VL" and cfg.model.freeze_vision
+    assert cfg.model.position_embedding_type == "mrope" and cfg.dataset.mrope  # the collator emits MRoPE ids
+    config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
+    assert list(config.mrope_section) == [2, 3, 3] and config.add_qkv_bias
+    assert check_recipe(cfg, world_size=1, device="cpu") == []
+
+
+def test_the_recipe_may_train_the_vision_tower(tmp_path):
+    overrides = ("model=hf", f"model.pretrained={vl_directory(tmp_path)}", "+model.freeze_vision=false")
+    assert resolve_recipe(_compose(*overrides), device="cpu").model.freeze_vision is False
+
+
 def test_llama3_1b_flops_model_counts_its_gemm_parameters():
     cfg = _compose("model=llama3_1b")
     config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))

@@ -1,6 +1,7 @@
 """Image chat data: the checkpoint's processor pieces give assistant-only targets and one image token per merged
-patch block; bad rows (missing or unreadable image, image-token count off, an image cut by seq_length, a URL) are
-refused naming the file, line and rule; collate numbers image tokens and stacks images in row order; embedded_vlm
+patch block; bad rows (missing or unreadable image, image-token count off, a URL, no assistant turn) stop the
+dataset's build naming the file, line and rule, every bad line at once; an image cut by seq_length is refused, not
+cropped; the start-up pass knows lengths with the image tokens; collate numbers image tokens and stacks images in row order; embedded_vlm
 is deterministic and says what it drew."""
 
 from __future__ import annotations
@@ -76,42 +77,90 @@ def test_an_image_becomes_one_token_per_merged_block_and_none_is_a_target(proces
     assert not (encoded.target_mask & image).any()
 
 
-def test_a_missing_image_is_refused_naming_the_file_line_and_path(processor, tmp_path):
+def dataset(path, processor, **kwargs):
+    return VisionJsonlDataset(path, processor, cache_dir=kwargs.pop("cache_dir", False), **kwargs)
+
+
+@pytest.mark.parametrize("validate", ["parse", "tokenize"])
+def test_a_missing_image_stops_the_build_naming_the_file_line_and_path(processor, tmp_path, validate):
     path = write_rows(tmp_path, [image_row(), image_row("missing.png")], [("a.png", picture(56, 56))])
-    data = VisionJsonlDataset(path, processor)
-    assert len(data[0].tokens) > 0
     with pytest.raises(
         ValueError, match=rf"{path}:2: messages\[0\].content\[0\]: image '.*missing.png' does not exist"
     ):
-        data[1]
+        dataset(path, processor, validate=validate)
 
 
-def test_an_unreadable_image_is_refused_naming_it(processor, tmp_path):
+def test_every_bad_row_is_reported_at_the_build_with_its_line(processor, tmp_path):
+    rows = [image_row("missing.png"), image_row(), image_row(path="https://example.com/cat.png")]
+    path = write_rows(tmp_path, rows, [("a.png", picture(56, 56))])
+    with pytest.raises(ValueError, match=r"2 bad line\(s\) of 3") as error:
+        dataset(path, processor, validate="parse")
+    assert f"{path}:1: " in str(error.value) and f"{path}:3: " in str(error.value)
+    assert f"{path}:2: " not in str(error.value)
+
+
+def test_an_unreadable_image_stops_the_tokenizing_build_naming_it(processor, tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not a png")
-    data = VisionJsonlDataset(write_rows(tmp_path, [image_row("broken.png")]), processor)
     with pytest.raises(
         ValueError, match=r"data.jsonl:1: messages\[0\].content\[0\]: image '.*broken.png' cannot be read"
     ):
+        dataset(write_rows(tmp_path, [image_row("broken.png")]), processor, validate="tokenize")
+
+
+def test_an_unreadable_image_past_a_parsing_build_is_refused_when_read(processor, tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    data = dataset(write_rows(tmp_path, [image_row("broken.png")]), processor, validate="parse")
+    with pytest.raises(ValueError, match=r"data.jsonl:1: messages\[0\].content\[0\]: image '.*broken.png'"):
         data[0]
 
 
 def test_an_image_token_count_that_does_not_match_the_images_is_refused(processor, tmp_path):
     row = image_row(question="What is <|image_pad|> here?")  # the image token typed into the text
-    data = VisionJsonlDataset(write_rows(tmp_path, [row], [("a.png", picture(56, 56))]), processor)
+    path = write_rows(tmp_path, [row], [("a.png", picture(56, 56))])
     with pytest.raises(
         ValueError, match=r"data.jsonl:1: the chat template rendered 2 image placeholder\(s\) .* for 1"
     ):
-        data[0]
+        dataset(path, processor, validate="tokenize")
 
 
 def test_a_url_image_is_refused(processor, tmp_path):
     row = image_row(path="https://example.com/cat.png")
     with pytest.raises(ValueError, match=r"data.jsonl:1: .* names a URL .* local files only"):
-        VisionJsonlDataset(write_rows(tmp_path, [row]), processor)[0]
+        dataset(write_rows(tmp_path, [row]), processor, validate="parse")
+
+
+def test_a_row_without_an_assistant_turn_is_refused_by_the_parsing_build(processor, tmp_path):
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "path": "a.png"}]}]}
+    path = write_rows(tmp_path, [row], [("a.png", picture(56, 56))])
+    with pytest.raises(ValueError, match=r"data.jsonl:1: no assistant message"):
+        dataset(path, processor, validate="parse")
+
+
+def test_the_tokenizing_build_knows_every_length_image_tokens_included(processor, tmp_path):
+    rows = [
+        image_row(),
+        image_row("b.png"),
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+    ]
+    path = write_rows(tmp_path, rows, [("a.png", picture(56, 56)), ("b.png", picture(112, 84))])
+    data = dataset(path, processor)  # auto: a small file is tokenized
+    assert data.index.tokenized
+    assert data.lengths.tolist() == [len(data[i]) for i in range(3)]
+    assert data[1].mm_token_type_ids.sum() == 12  # 112 x 84 pixels: 8 x 6 patches, 4 x 3 image tokens
+
+
+def test_a_text_rows_index_of_the_same_file_is_not_reused(processor, tmp_path):
+    from thdpack.data.jsonl import JsonlDataset
+
+    text = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    path = write_rows(tmp_path, [text])
+    JsonlDataset(path, processor, validate="tokenize", cache_dir=tmp_path / "cache")
+    data = dataset(path, processor, validate="tokenize", cache_dir=tmp_path / "cache")
+    assert not data.index.cached and data.lengths.tolist() == [len(data[0])]
 
 
 def test_a_sample_whose_image_seq_length_would_cut_is_refused_not_cropped(processor, tmp_path):
-    data = VisionJsonlDataset(write_rows(tmp_path, [image_row()], [("a.png", picture(112, 112))]), processor)
+    data = dataset(write_rows(tmp_path, [image_row()], [("a.png", picture(112, 112))]), processor)
     sample = data[0]
     last_image_token = int(np.flatnonzero(sample.mm_token_type_ids)[-1])
     loader = TrainData(
@@ -183,3 +232,23 @@ def test_embedded_vlm_descriptions_name_the_colours_drawn_where_they_say():
             row, col = cells[cell]
             centre = (int((col + 0.5) * width / 3), int((row + 0.6) * height / 3))  # inside every shape
             assert image.getpixel(centre) == COLOURS[colour], (seed, colour, shape, cell)
+
+
+def test_an_image_dataset_takes_the_vl_checkpoints_processor_as_its_tokenizer(tiny_vl):  # noqa: F811
+    from thdpack.hf.processor import VLProcessor, dataset_processor
+
+    model = {"pretrained": str(tiny_vl)}
+    assert isinstance(dataset_processor("embedded_vlm", "auto", model), VLProcessor)
+    assert dataset_processor("embedded_sft", "auto", model) is None  # text data: the checkpoint's tokenizer
+
+
+def test_an_image_dataset_without_a_vl_checkpoint_is_refused_naming_the_key(tiny_vl, tmp_path):  # noqa: F811
+    from thdpack.hf.processor import dataset_processor
+
+    with pytest.raises(ValueError, match=r"dataset.name=embedded_vlm needs .* set model=hf model.pretrained"):
+        dataset_processor("embedded_vlm", "auto", {})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(ValueError, match=rf"model.pretrained={tmp_path} is not one"):
+        dataset_processor("jsonl_vlm", "auto", {"pretrained": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"dataset.tokenizer is 'byte': .* leave dataset.tokenizer=auto"):
+        dataset_processor("embedded_vlm", "byte", {"pretrained": str(tiny_vl)})

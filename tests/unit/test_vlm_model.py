@@ -61,7 +61,9 @@ def test_the_model_group_is_the_qwen2_group_with_mrope_and_the_vl_family(directo
 
     config = read_hf_config(directory)
     group = model_group(config, seq_length=256)
-    assert group["family"] == "qwen2_5_vl" and group["position_embedding_type"] == "mrope"
+    assert (
+        group["family"] == "thdpack.hf.vlm_family:QWEN2_5_VL" and group["position_embedding_type"] == "mrope"
+    )
     assert group["config"]["mrope_section"] == [2, 3, 3] and group["config"]["add_qkv_bias"]
     assert group["freeze_vision"] is True
     assert qwen2_config(config)["architectures"] == ["Qwen2ForCausalLM"]
@@ -92,3 +94,16 @@ def test_patches_that_do_not_match_the_grids_are_refused():
     batch = {"image_grid_thw": torch.tensor([[1, 4, 4]]), "pixel_values": torch.zeros(12, 8)}
     with pytest.raises(ValueError, match="grids hold 16 patches but pixel_values has 12 rows"):
         vlm_batch_transform(batch)
+
+
+def test_the_vl_family_builds_the_checkpoints_model_and_owns_its_loading(directory):
+    """The registry resolves the group's family to the vision-language one: its build loads the checkpoint
+    itself (the hf family's text loader would refuse the vision tensors)."""
+    from thdpack.hf.config import pretrained_model_group
+    from thdpack.megatron.families import get_family
+
+    family = get_family(
+        pretrained_model_group({"pretrained": str(directory)}, seq_length=256, tp=1)["family"]
+    )
+    assert family.name == "qwen2_5_vl" and family.carry_keys == ("pixel_values", "image_grid_thw")
+    assert family.build.__module__ == "thdpack.hf.vlm_family"

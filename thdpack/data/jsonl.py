@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,9 @@ class JsonlDataset:
         max_errors: bad lines quoted in the error (all are counted).
         cache_dir: where the index is cached (default :func:`~thdpack.data.cache.cache_root`); False: no cache.
 
+    A file of other rows subclasses it with its own :meth:`line_rules` (the start-up pass's check and length) and
+    :meth:`sample` (a decoded line to a :class:`Sample`); :meth:`record` reads a line.
+
     Attributes:
         lengths: int64 ``[N]`` tokens per sample when the pass tokenized, else None.
         index: the :class:`~thdpack.data.jsonl_index.JsonlIndex` (``tokenized``, ``seconds``, ``cached``).
@@ -65,7 +69,12 @@ class JsonlDataset:
         self.path = Path(path)
         self.tokenizer = tokenizer
         self.index = index_jsonl(
-            self.path, tokenizer, validate=validate, max_errors=max_errors, cache_dir=cache_dir
+            self.path,
+            tokenizer,
+            validate=validate,
+            max_errors=max_errors,
+            cache_dir=cache_dir,
+            rules=self.line_rules(),
         )
         self._start, self._end, self._line = self.index.starts, self.index.ends, self.index.lines
         self.lengths = self.index.lengths
@@ -89,7 +98,22 @@ class JsonlDataset:
     def __getstate__(self):  # an open file does not pickle (DataLoader workers): reopen lazily
         return {**self.__dict__, "_file": None}
 
+    def line_rules(self):
+        """What a line is, for the start-up pass: :func:`~thdpack.data.jsonl_index.text_rules`."""
+        from .jsonl_index import text_rules
+
+        return text_rules(self.tokenizer)
+
     def __getitem__(self, index: int) -> Sample:
+        return self.sample(*self.record(index))
+
+    def sample(self, record, where: str) -> Sample:
+        """The :class:`Sample` of a decoded line (``where``: its ``file:line``)."""
+        tokens, targets = parse_record(record, self.tokenizer, where)
+        return Sample(tokens, targets, where)
+
+    def record(self, index: int) -> tuple[Any, str]:
+        """``(the decoded JSON of sample index's line, "file:line")``."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} of {self.path} ({len(self)} samples)")
         index = index % len(self)
@@ -102,8 +126,7 @@ class JsonlDataset:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{where}: malformed JSON ({e}): each line must be one JSON object") from None
-        tokens, targets = parse_record(record, self.tokenizer, where)
-        return Sample(tokens, targets, where)
+        return record, where
 
     def __del__(self):
         if getattr(self, "_file", None) is not None:

@@ -1,10 +1,11 @@
 """The one pass over a JSONL file that runs when the dataset is built: every line parsed and checked (and, when
 asked, tokenized) before training starts, every bad line reported with file:line, the result cached.
 
-What the pass does, per non-blank line: ``json.loads``, then :func:`~thdpack.data.jsonl.check_record` (the keys,
-their types, the ids' range); with ``tokenize`` also :func:`~thdpack.data.jsonl.tokenize_record` (the chat template
-too), which gives every sample's length and catches what only tokenizing can (a template that cannot render a
-row, a text of one token). Bad lines are collected, not raised one by one: the error quotes the first
+What the pass does, per non-blank line: ``json.loads``, then the rows' check (:class:`LineRules`; for
+:mod:`thdpack.data.jsonl`'s rows, :func:`~thdpack.data.jsonl.check_record`: the keys, their types, the ids' range);
+with ``tokenize`` also their tokenization (:func:`~thdpack.data.jsonl.tokenize_record`, the chat template too),
+which gives every sample's length and catches what only tokenizing can (a template that cannot render a row, a
+text of one token). Image chat rows (:mod:`thdpack.data.vlm`) bring their own rules. Bad lines are collected, not raised one by one: the error quotes the first
 ``max_errors`` (each ``file:line: what: rule``) and counts them all.
 
 ``validate``:
@@ -12,7 +13,8 @@ row, a text of one token). Bad lines are collected, not raised one by one: the e
 * ``"parse"``: no tokenizing. The cheap pass, for files of millions of lines.
 * ``"tokenize"``: lengths known up front (the overlong count at start-up; budgets).
 * ``"auto"`` (default): ``tokenize`` for files of at most :data:`AUTO_TOKENIZE_LINES` lines (at most
-  :data:`AUTO_TOKENIZE_CHAT_LINES` when rows go through a chat template), else ``parse``.
+  :data:`AUTO_TOKENIZE_CHAT_LINES` when rows go through a chat template; the rules'
+  ``auto_tokenize_lines``), else ``parse``.
 
 Measured (``python benchmarks/jsonl_validation.py`` and a bare ``json.loads`` loop over the same lines; generated
 chat-like rows, 1.1 KB on average) on this repository's shared 2-core CPU machine while other jobs kept its load
@@ -26,7 +28,7 @@ file; tokenizing only where the file is small enough, and it is cached once done
 
 The cache: ``<cache_dir>/jsonl/<file name>-<hash of its absolute path>.npz`` holding the line offsets, the line
 numbers, the lengths (when tokenized) and a key of the file's size, modification time and a hash of its first and
-last MiB, the tokenizer's ``name`` and :data:`INDEX_VERSION`. A start whose key matches loads it instead of reading
+last MiB, the tokenizer's ``name``, the rules' ``name`` and :data:`INDEX_VERSION`. A start whose key matches loads it instead of reading
 the file; a file that has bad lines is not cached (fixing it changes its modification time anyway).
 """
 
@@ -37,8 +39,10 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +55,9 @@ __all__ = [
     "INDEX_VERSION",
     "VALIDATE",
     "JsonlIndex",
+    "LineRules",
     "index_jsonl",
+    "text_rules",
 ]
 
 VALIDATE = ("auto", "parse", "tokenize")
@@ -86,6 +92,37 @@ class JsonlIndex:
         return self.lengths is not None
 
 
+@dataclass(frozen=True)
+class LineRules:
+    """What one kind of row is, for the start-up pass.
+
+    Attributes:
+        name: the rows' name, part of the cache key (an index built under other rules is not reused).
+        check: ``(record, where) -> kind``: a decoded line's kind, after checking it without tokenizing; raises
+            ``ValueError`` naming ``where`` (``file:line``) and the rule.
+        length: ``(record, kind, where) -> int``: the sample's token count (the tokenizing pass); raises as
+            ``check`` does.
+        auto_tokenize_lines: ``validate="auto"`` tokenizes files of at most this many lines.
+    """
+
+    name: str
+    check: Callable[[Any, str], str]
+    length: Callable[[Any, str, str], int]
+    auto_tokenize_lines: int
+
+
+def text_rules(tokenizer) -> LineRules:
+    """The rules of :mod:`thdpack.data.jsonl`'s rows (``text``, ``input_ids``, ``prompt``, ``messages``)."""
+    vocab_size = tokenizer.vocab_size
+    chat = getattr(tokenizer, "has_chat_template", False)
+    return LineRules(
+        name="text",
+        check=lambda record, where: check_record(record, vocab_size, where),
+        length=lambda record, kind, where: len(tokenize_record(record, kind, tokenizer, where)[0]),
+        auto_tokenize_lines=AUTO_TOKENIZE_CHAT_LINES if chat else AUTO_TOKENIZE_LINES,
+    )
+
+
 def line_offsets(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(starts, ends, line numbers)`` of the non-blank lines of a file's bytes (uint8 ``[B]``)."""
     newline = np.flatnonzero(data == 10)
@@ -99,11 +136,19 @@ def line_offsets(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def index_jsonl(
-    path: str | Path, tokenizer, *, validate: str = "auto", max_errors: int = 20, cache_dir=None
+    path: str | Path,
+    tokenizer,
+    *,
+    validate: str = "auto",
+    max_errors: int = 20,
+    cache_dir=None,
+    rules: LineRules | None = None,
 ) -> JsonlIndex:
     """Check every line of ``path`` (see the module docstring); raise one ``ValueError`` that names every bad
     line's file:line (the first ``max_errors``) and their count. ``cache_dir``: default
-    :func:`~thdpack.data.cache.cache_root`; False: neither read nor write a cache."""
+    :func:`~thdpack.data.cache.cache_root`; False: neither read nor write a cache. ``rules``: what a line is
+    (default :func:`text_rules` of ``tokenizer``)."""
+    rules = rules or text_rules(tokenizer)
     start = time.perf_counter()
     path = Path(path)
     if validate not in VALIDATE:
@@ -117,6 +162,7 @@ def index_jsonl(
         "mtime_ns": stat.st_mtime_ns,
         "ends_sha256": _ends_digest(path, stat.st_size),
         "tokenizer": tokenizer.name,
+        "rules": rules.name,
     }
     cache_path = None
     if cache_dir is not False:
@@ -128,29 +174,22 @@ def index_jsonl(
             if (
                 lengths is not None
                 or validate == "parse"
-                or (validate == "auto" and len(starts) > AUTO_TOKENIZE_LINES)
+                or (validate == "auto" and len(starts) > rules.auto_tokenize_lines)
             ):
                 return JsonlIndex(starts, ends, lines, lengths, time.perf_counter() - start, True, cache_path)
 
     data = path.read_bytes()
     starts, ends, lines = line_offsets(np.frombuffer(data, dtype=np.uint8))
-    tokenize = _tokenizes(validate, len(starts), tokenizer)
-    lengths = _check_lines(path, data, starts, ends, lines, tokenizer, tokenize, max_errors)
+    tokenize = validate == "tokenize" or (validate == "auto" and len(starts) <= rules.auto_tokenize_lines)
+    lengths = _check_lines(path, data, starts, ends, lines, rules, tokenize, max_errors)
     if cache_path is not None:
         _save(cache_path, key, starts, ends, lines, lengths)
     return JsonlIndex(starts, ends, lines, lengths, time.perf_counter() - start, False, cache_path)
 
 
-def _tokenizes(validate: str, lines: int, tokenizer) -> bool:
-    if validate != "auto":
-        return validate == "tokenize"
-    chat = getattr(tokenizer, "has_chat_template", False)
-    return lines <= (AUTO_TOKENIZE_CHAT_LINES if chat else AUTO_TOKENIZE_LINES)
-
-
-def _check_lines(path, data, starts, ends, lines, tokenizer, tokenize: bool, max_errors: int):
+def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bool, max_errors: int):
     lengths = np.zeros(len(starts), np.int64) if tokenize else None
-    vocab_size, loads = tokenizer.vocab_size, json.loads
+    check, length, loads = rules.check, rules.length, json.loads
     errors: list[str] = []
     bad = 0
     for i, (s, e, line) in enumerate(zip(starts.tolist(), ends.tolist(), lines.tolist(), strict=True)):
@@ -162,9 +201,9 @@ def _check_lines(path, data, starts, ends, lines, tokenizer, tokenize: bool, max
                 raise ValueError(
                     f"{where}: malformed JSON ({err}): each line must be one JSON object"
                 ) from None
-            kind = check_record(record, vocab_size, where)
+            kind = check(record, where)
             if tokenize:
-                lengths[i] = len(tokenize_record(record, kind, tokenizer, where)[0])
+                lengths[i] = length(record, kind, where)
         except ValueError as err:
             bad += 1
             if len(errors) < max_errors:

@@ -272,7 +272,7 @@ def build_dataset(
     image chat datasets ``embedded_vlm`` and ``jsonl_vlm``); ``path`` is the JSONL file or the indexed prefix
     (unused by the embedded ones; ``max_files`` is their subset option); ``synthetic``: the keyword arguments of
     :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary; ``validate``: the JSONL start-up pass
-    (:mod:`thdpack.data.jsonl_index`); ``vlm``: the keyword arguments of
+    (:mod:`thdpack.data.jsonl_index`; ``jsonl`` and ``jsonl_vlm``); ``vlm``: the keyword arguments of
     :class:`~thdpack.data.embedded_vlm.EmbeddedVLDataset` but the processor. The image chat datasets take the
     checkpoint's processor (:class:`thdpack.hf.processor.VLProcessor`) as ``tokenizer``."""
     if name == "embedded":
@@ -284,7 +284,7 @@ def build_dataset(
 
         return EmbeddedSFTDataset(tokenizer, max_files=max_files)
     if name in VISION_DATASETS:
-        return _vision_dataset(name, path, tokenizer, vlm or {})
+        return _vision_dataset(name, path, tokenizer, vlm or {}, validate)
     if name == "synthetic":
         from .synthetic import SyntheticDataset
 
@@ -306,7 +306,7 @@ def build_dataset(
     return MegatronIndexedDataset(path, tokenizer.vocab_size)
 
 
-def _vision_dataset(name: str, path: str | None, processor, options: Mapping) -> SampleDataset:
+def _vision_dataset(name: str, path: str | None, processor, options: Mapping, validate: str) -> SampleDataset:
     if not hasattr(processor, "encode_chat"):
         raise ValueError(
             f"dataset.name={name} needs a vision-language checkpoint's processor: set model.pretrained to a "
@@ -320,7 +320,7 @@ def _vision_dataset(name: str, path: str | None, processor, options: Mapping) ->
         raise ValueError("dataset.path is required for dataset.name=jsonl_vlm")
     from .vlm import VisionJsonlDataset
 
-    return VisionJsonlDataset(path, processor)
+    return VisionJsonlDataset(path, processor, validate=validate)
 
 
 _MISSING = object()

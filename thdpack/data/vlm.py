@@ -14,19 +14,27 @@ tokens are never targets. A sample's length counts its image tokens, so token bu
 
 Bad input raises ``ValueError("<file>:<line>: <what>: <rule>")``: malformed JSON, a row without ``messages``, a
 part that is neither text nor image, a missing or unreadable image (the path is named), an image-token count that
-does not match the processor's, no assistant turn. A sample whose image tokens would be cut by ``seq_length`` is
+does not match the processor's, no assistant turn. Every line is checked when the dataset is built (one pass, every
+bad line named; see :class:`VisionJsonlDataset`). A sample whose image tokens would be cut by ``seq_length`` is
 refused by :meth:`thdpack.data.samples.Sample.truncated`, never cropped.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .jsonl import JsonlDataset
+from .jsonl_index import LineRules
 from .samples import Sample
 
-__all__ = ["VisionJsonlDataset", "encoded_sample", "load_image"]
+__all__ = ["AUTO_TOKENIZE_LINES", "VisionJsonlDataset", "encoded_sample", "load_image"]
+
+# validate="auto" reads every image and runs the processor at start-up for files of at most this many lines.
+# Measured (python benchmarks/jsonl_vlm_validation.py, the tests' processor, on this repository's shared 2-core CPU
+# machine at load average 5.5-8): 37-39 rows/s with pictures of 56 to 448 pixels a side, 15 rows/s up to 896
+# (the parse pass: 5-7 K rows/s). 2,000 rows: under a minute to a bit over two, about what the text chat limit
+# (thdpack.data.jsonl_index.AUTO_TOKENIZE_CHAT_LINES) costs; larger files are parsed, their images read when used.
+AUTO_TOKENIZE_LINES = 2_000
 
 
 def encoded_sample(encoded, where: str) -> Sample:
@@ -57,34 +65,57 @@ def load_image(path: Path, where: str):
 class VisionJsonlDataset(JsonlDataset):
     """A JSONL file of image chat rows (see module docstring) as a sequence of :class:`Sample`.
 
+    Every line is checked when the dataset is built, as :class:`~thdpack.data.jsonl.JsonlDataset` checks its rows
+    (one pass, every bad line named ``file:line``, the index cached; :mod:`thdpack.data.jsonl_index`): the parse
+    pass checks each row's structure and that its image files exist; the tokenizing pass (``validate="tokenize"``,
+    or ``"auto"`` for files of at most :data:`AUTO_TOKENIZE_LINES` lines) also reads every image and runs the
+    processor, so unreadable images and image-token mismatches are found before training and every sample's
+    length (image tokens included) is known up front. The cached index is keyed on the JSONL file, not on its
+    images: an image changed or removed after a cached start is checked when its sample is read (the error names
+    the file and line), and the start-up count of overlong samples may be off for it.
+
     Args:
         path: the file; relative image paths are resolved against its folder.
         processor: the checkpoint's :class:`~thdpack.hf.processor.VLProcessor`.
+        validate, max_errors, cache_dir: as :class:`~thdpack.data.jsonl.JsonlDataset`'s.
     """
 
-    def __init__(self, path: str | Path, processor):
-        super().__init__(path, processor)
+    def __init__(
+        self, path: str | Path, processor, *, validate: str = "auto", max_errors: int = 20, cache_dir=None
+    ):
         self.processor = processor
+        super().__init__(path, processor, validate=validate, max_errors=max_errors, cache_dir=cache_dir)
 
-    def __getitem__(self, index: int) -> Sample:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sample {index} of {self.path} ({len(self)} samples)")
-        index %= len(self)
-        where = f"{self.path}:{self._line[index]}"
-        if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115 - kept open across reads, closed with the object
-        self._file.seek(int(self._start[index]))
-        raw = self._file.read(int(self._end[index] - self._start[index]))
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{where}: malformed JSON ({e}): each line must be one JSON object") from None
+    def line_rules(self) -> LineRules:
+        return LineRules(
+            name="image_chat",
+            check=self.check,
+            length=lambda record, kind, where: len(self.sample(record, where)),
+            auto_tokenize_lines=AUTO_TOKENIZE_LINES,
+        )
+
+    def check(self, record, where: str) -> str:
+        """The row's kind (``"messages"``) after checking its structure and that its image files exist (not read:
+        the tokenizing pass and :meth:`sample` read them)."""
+        _, paths = self.structure(record, where)
+        for name, path in paths:
+            if not path.is_file():
+                raise ValueError(f"{where}: {name}: image '{path}' does not exist")
+        return "messages"
+
+    def sample(self, record, where: str) -> Sample:
         messages, images = self.parse(record, where)
         return encoded_sample(self.processor.encode_chat(messages, images, where), where)
 
     def parse(self, record, where: str):
         """``(messages, images)`` of one decoded line: the messages as the chat template takes them, and the PIL
         images of their image parts, in order."""
+        messages, paths = self.structure(record, where)
+        return messages, [load_image(path, f"{where}: {name}") for name, path in paths]
+
+    def structure(self, record, where: str) -> tuple[list[dict], list[tuple[str, Path]]]:
+        """``(messages, [(part name, image path)])`` of one decoded line, its images not opened; raises
+        ``ValueError`` naming ``where`` and the rule."""
         if (
             not isinstance(record, dict)
             or not isinstance(record.get("messages"), list)
@@ -93,7 +124,7 @@ class VisionJsonlDataset(JsonlDataset):
             raise ValueError(
                 f"{where}: each line must be an object with a non-empty 'messages' list (image chat rows)"
             )
-        messages, images = [], []
+        messages, paths = [], []
         for turn, message in enumerate(record["messages"]):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"{where}: messages[{turn}] must be an object with a string 'role'")
@@ -113,7 +144,7 @@ class VisionJsonlDataset(JsonlDataset):
                 if kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind == "image":
-                    images.append(load_image(self._image_path(part, where, name), f"{where}: {name}"))
+                    paths.append((name, self._image_path(part, where, name)))
                     parts.append({"type": "image"})
                 else:
                     raise ValueError(
@@ -121,7 +152,9 @@ class VisionJsonlDataset(JsonlDataset):
                         f"'path': str}}, got {part!r:.80}"
                     )
             messages.append({"role": message["role"], "content": parts})
-        return messages, images
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where}: no assistant message: the loss is on the assistant turns only")
+        return messages, paths
 
     def _image_path(self, part: dict, where: str, name: str) -> Path:
         value = part.get("path", part.get("image"))

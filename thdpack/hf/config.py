@@ -356,11 +356,13 @@ def _moe(r: _Reader) -> dict[str, Any]:
 
 def pretrained_model_group(recipe_model: Mapping[str, Any], *, seq_length: int, tp: int) -> dict[str, Any]:
     """The recipe's ``model`` group with ``pretrained`` set, made concrete: :func:`model_group` of its
-    ``config.json``, with the recipe's own settings on top (dropout, initialisation, recompute, the MoE
-    dispatcher...). A recipe setting that contradicts config.json on the architecture is an error."""
+    ``config.json`` (:func:`thdpack.hf.qwen2_5_vl.model_group` for a ``Qwen2_5_VLForConditionalGeneration``),
+    with the recipe's own settings on top (dropout, initialisation, recompute, the MoE dispatcher...). A recipe
+    setting that contradicts config.json on the architecture is an error."""
     directory = recipe_model["pretrained"]
     hf = read_hf_config(directory)
-    group = model_group(hf, seq_length=seq_length, tp=tp)
+    group = _group_builder(hf)(hf, seq_length=seq_length, tp=tp)
+    family = group.get("family", HF_FAMILY)
     recipe = {k: v for k, v in dict(recipe_model).items()}
     overrides = {k: v for k, v in dict(recipe.pop("config", None) or {}).items() if v is not None}
     for key, value in overrides.items():
@@ -377,10 +379,24 @@ def pretrained_model_group(recipe_model: Mapping[str, Any], *, seq_length: int, 
             )
         recipe.pop(key, None)
     recipe.pop("name", None)
-    family = recipe.pop("family", None)
-    if family not in (None, "gpt", HF_FAMILY):
+    named = recipe.pop("family", None)
+    if named not in (None, "gpt", HF_FAMILY, family):
         raise HFConfigError(
-            f"model.family is '{family}' but model.pretrained is set: Hugging Face checkpoints are built by the "
-            f"'{HF_FAMILY}' family (leave model.family unset)"
+            f"model.family is '{named}' but model.pretrained is set: {hf['_path']} is built by the '{family}' "
+            "family (leave model.family unset)"
         )
-    return {**group, **recipe, "family": HF_FAMILY, "pretrained": str(directory)}
+    return {**group, **recipe, "family": family, "pretrained": str(directory)}
+
+
+def _group_builder(hf: Mapping[str, Any]):
+    """The model-group function of a ``config.json``: a vision-language checkpoint's
+    (:func:`thdpack.hf.qwen2_5_vl.model_group`, family :data:`thdpack.hf.qwen2_5_vl.FAMILY`), else
+    :func:`model_group` (the ``hf`` family, :data:`HF_FAMILY`)."""
+    from .qwen2_5_vl import ARCHITECTURES as VL_ARCHITECTURES
+
+    architectures = hf.get("architectures")
+    if isinstance(architectures, list) and set(architectures) & set(VL_ARCHITECTURES):
+        from .qwen2_5_vl import model_group as vl_model_group
+
+        return vl_model_group
+    return model_group

@@ -3,8 +3,9 @@ checkpoint's weights loaded into it before the training loop wraps it and the op
 
 A recipe with ``model.pretrained`` names this family (``thdpack.hf.config.HF_FAMILY``, through the registry's
 ``"package.module:ATTRIBUTE"`` form); its model group comes from the checkpoint's config.json
-(:func:`thdpack.hf.config.pretrained_model_group`). The one module of :mod:`thdpack.hf` that imports
-:mod:`thdpack.megatron` at module level: it is imported only when a recipe names it.
+(:func:`thdpack.hf.config.pretrained_model_group`). With :mod:`thdpack.hf.vlm_family` (Qwen2.5-VL directories),
+the modules of :mod:`thdpack.hf` that import :mod:`thdpack.megatron` at module level: they are imported only when
+a recipe names them.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import numpy as np
 
 from .qwen2_5_vl import VLFacts, read_vl_config, rope_index, vl_facts
 
-__all__ = ["EncodedChat", "VLProcessor", "load_image_processor", "processor_for"]
+__all__ = ["EncodedChat", "VLProcessor", "dataset_processor", "load_image_processor", "processor_for"]
 
 
 @dataclass
@@ -220,3 +220,37 @@ def processor_for(model) -> VLProcessor | None:
     if not set(config.get("architectures") or []) & set(ARCHITECTURES):
         return None
     return VLProcessor(directory)
+
+
+def dataset_processor(name: str, spec: str | None, model) -> VLProcessor | None:
+    """The tokenizer of an image chat dataset (``dataset.name`` ``embedded_vlm`` or ``jsonl_vlm``): the processor of
+    ``model.pretrained``, a vision-language checkpoint (``spec``, ``dataset.tokenizer``, left ``auto``); None for
+    the other datasets (their tokenizer is :func:`thdpack.hf.tokenizer.resolve_tokenizer`'s).
+
+    Raises ``ValueError`` naming the key: an image dataset without ``model.pretrained``, or with a
+    ``dataset.tokenizer`` of its own, or whose ``model.pretrained`` is not a vision-language checkpoint.
+    """
+    from thdpack.data.loader import VISION_DATASETS
+
+    if name not in VISION_DATASETS:
+        return None
+    directory = model.get("pretrained") if hasattr(model, "get") else None
+    if spec not in (None, "auto") and str(spec) != str(directory):
+        raise ValueError(
+            f"dataset.tokenizer is '{spec}': dataset.name={name} is processed by model.pretrained's own processor "
+            "(its tokenizer, chat template and image processor): leave dataset.tokenizer=auto"
+        )
+    if not directory:
+        raise ValueError(
+            f"dataset.name={name} needs a vision-language checkpoint: set model=hf model.pretrained=<a Qwen2.5-VL "
+            "directory> (its processor reads the images)"
+        )
+    processor = processor_for(model)
+    if processor is None:
+        from .qwen2_5_vl import ARCHITECTURES
+
+        raise ValueError(
+            f"dataset.name={name} needs a vision-language checkpoint, but model.pretrained={directory} is not one "
+            f"(config.json's architectures must be one of {list(ARCHITECTURES)})"
+        )
+    return processor

@@ -28,8 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import HFConfigError
+
 __all__ = [
     "ARCHITECTURES",
+    "FAMILY",
     "LanguageModelReader",
     "VLFacts",
     "build_vision_tower",
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+# The model family that builds the model and loads its weights (thdpack.megatron.families resolves the name).
+FAMILY = "thdpack.hf.vlm_family:QWEN2_5_VL"
 VISION_PREFIXES = ("visual.", "model.visual.")
 
 
@@ -116,22 +121,23 @@ def text_config(config: Mapping) -> dict:
 
 
 def vl_facts(config: Mapping, where: str = "config.json") -> VLFacts:
-    """:class:`VLFacts` of a Qwen2.5-VL ``config.json`` (as :func:`read_vl_config` returns it)."""
+    """:class:`VLFacts` of a Qwen2.5-VL ``config.json`` (as :func:`read_vl_config` returns it); raises
+    :class:`~thdpack.hf.config.HFConfigError` naming ``where`` for a config the model cannot run."""
     vision = config.get("vision_config")
     if not isinstance(vision, Mapping):
-        raise ValueError(f"{where}: no 'vision_config': not a vision-language checkpoint")
+        raise HFConfigError(f"{where}: no 'vision_config': not a vision-language checkpoint")
     text = text_config(config)
     section = text["rope_parameters"].get("mrope_section")
     heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     if section is None or len(section) != 3 or sum(section) != head_dim // 2:
-        raise ValueError(
+        raise HFConfigError(
             f"{where}: rope 'mrope_section' is {section}: Qwen2.5-VL needs 3 sections (temporal, height, width) "
             f"summing to head_dim // 2 = {head_dim // 2}"
         )
     out = int(vision.get("out_hidden_size", text["hidden_size"]))
     if out != int(text["hidden_size"]):
-        raise ValueError(
+        raise HFConfigError(
             f"{where}: vision_config.out_hidden_size {out} differs from the language model's hidden_size "
             f"{text['hidden_size']}: the merger's output cannot replace token embeddings"
         )
@@ -347,24 +353,22 @@ def qwen2_config(config: Mapping) -> dict:
 
 def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
     """The recipe's model group of a Qwen2.5-VL checkpoint: the Qwen2 import's group of its language model
-    (:func:`thdpack.hf.config.model_group`), with multimodal RoPE (``mrope_section``) and ``family:
-    qwen2_5_vl`` (:mod:`thdpack.megatron.vlm`); ``freeze_vision`` true (``+model.freeze_vision=false`` trains
+    (:func:`thdpack.hf.config.model_group`), with multimodal RoPE (``mrope_section``) and the Qwen2.5-VL family
+    (:data:`FAMILY`, :mod:`thdpack.hf.vlm_family`); ``freeze_vision`` true (``+model.freeze_vision=false`` trains
     the vision tower too)."""
     from .config import model_group as qwen2_model_group
 
     rope = text_config(config)["rope_parameters"]
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "mrope"):
-        raise ValueError(
+        raise HFConfigError(
             f"{config.get('_path', 'config.json')}: rope_type '{kind}': Qwen2.5-VL's language model uses plain "
             "multimodal RoPE (mrope_section), no scaling"
         )
     facts = vl_facts(config, str(config.get("_path", "config.json")))
     group = qwen2_model_group(qwen2_config(config), seq_length=seq_length, tp=tp)
     group["config"]["mrope_section"] = list(facts.mrope_section)
-    group.update(
-        name="hf_qwen2_5_vl", family="qwen2_5_vl", position_embedding_type="mrope", freeze_vision=True
-    )
+    group.update(name="hf_qwen2_5_vl", family=FAMILY, position_embedding_type="mrope", freeze_vision=True)
     return group
 
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["VisionLanguageModel", "build_vlm", "vlm_batch_transform", "vlm_forward", "VISION_KEYS"]
+__all__ = ["VISION_KEYS", "VisionLanguageModel", "build_language_model", "vlm_batch_transform", "vlm_forward"]
 
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 
@@ -159,18 +159,13 @@ def _keep_vision_rotary_fp32(visual) -> None:
     rotary.register_forward_pre_hook(hook)
 
 
-def build_vlm(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime, **gpt_kwargs):
-    """This rank's :class:`VisionLanguageModel` from the recipe's model group (``pretrained``: the Hugging Face
-    directory; ``freeze_vision``, default true), with the checkpoint's weights: the language model through the
-    Qwen2 import, the vision tower (first stage) from its safetensors. On the host, bare (the loop wraps it)."""
-    from thdpack.hf.qwen2_5_vl import load_language_model, load_vision_tower
-
+def build_language_model(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime):
+    """This rank's ``GPTModel`` chunk of a vision-language model's language model (MRoPE, packed), random weights:
+    the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``) and Megatron's config. The
+    family that builds the whole model loads the checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
     from .models import build_gpt_model
 
-    directory = model.get("pretrained")
-    if not directory:
-        raise ValueError("the qwen2_5_vl family needs model.pretrained (a Qwen2.5-VL Hugging Face directory)")
-    language_model = build_gpt_model(
+    return build_gpt_model(
         config,
         vocab_size,
         max_sequence_length,
@@ -178,14 +173,6 @@ def build_vlm(model: Mapping, config, vocab_size: int, max_sequence_length: int,
         position_embedding_type="mrope",
         rotary_base=float(model.get("rotary_base", 1000000.0)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
-        **gpt_kwargs,
-    )
-    load_language_model(language_model, directory)
-    visual = None
-    if language_model.pre_process:
-        visual = load_vision_tower(directory, dtype=torch.float32)
-    return VisionLanguageModel(
-        config, language_model, visual, freeze_vision=bool(model.get("freeze_vision", True))
     )
 
 

@@ -128,6 +128,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.data import build_dataset, build_train_data
     from thdpack.data.loader import startup_report
     from thdpack.data.samples import split_holdout
+    from thdpack.hf.processor import dataset_processor
     from thdpack.hf.tokenizer import resolve_tokenizer
     from thdpack.megatron.batch import BatchConfig, model_alignment
     from thdpack.megatron.checkpoint import resume_vocab_size
@@ -165,7 +166,8 @@ def setup_run(cfg: DictConfig) -> Run:
         log.setLevel(logging.WARNING)
 
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
-    tokenizer = resolve_tokenizer(
+    # an image chat dataset's tokenizer is the vision-language checkpoint's processor
+    tokenizer = dataset_processor(data_cfg.name, data_cfg.get("tokenizer"), cfg.model) or resolve_tokenizer(
         data_cfg.get("tokenizer", "auto"), cfg.model.get("pretrained"), data_cfg.get("chat_template_kwargs")
     )
     dataset = build_dataset(
@@ -175,6 +177,7 @@ def setup_run(cfg: DictConfig) -> Run:
         max_files=data_cfg.get("max_files"),
         synthetic=data_cfg.get("synthetic"),
         validate=data_cfg.get("validate", "auto"),
+        vlm=data_cfg.get("vlm"),
     )
     eval_interval = trainer.get("eval_interval")
     dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)

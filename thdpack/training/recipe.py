@@ -28,7 +28,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     - ``model.attention_backend``: ``te`` on CUDA, ``torch`` on CPU;
     - ``model.family``: ``gpt`` when absent;
     - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
-      (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family;
+      (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family (a Qwen2.5-VL directory: the
+      vision-language family, :mod:`thdpack.hf.vlm_family`), expanded first: every setting below reads it;
     - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`);
     - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
 
@@ -60,5 +61,5 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.model.attention_backend = runtime.backend
         out.model.family = out.model.get("family", "gpt")
         out.dataset.micro_batch_tokens = budget
-        out.dataset.mrope = cfg.model.get("position_embedding_type") == "mrope"
+        out.dataset.mrope = out.model.get("position_embedding_type") == "mrope"
     return out
