@@ -103,7 +103,11 @@ def build_gpt_model(
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     spec = gpt_layer_spec(
-        backend, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
+        backend,
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        # without it Megatron's specs build no q/k norm modules, whatever config.qk_layernorm says
+        qk_layernorm=config.qk_layernorm,
     )
     if backend == "torch":
         spec = torch_block_spec(spec, config, model_kwargs.get("vp_stage"), model_kwargs.get("pg_collection"))
