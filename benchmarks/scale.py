@@ -79,12 +79,21 @@ def layout_fits(layout: dict, world: int) -> str | None:
     return None
 
 
-def launch(script: str, job: dict, work: Path, name: str, timeout: float, env: dict) -> dict:
+def launch(
+    script: str, job: dict, work: Path, name: str, timeout: float, env: dict, reuse: bool = False
+) -> dict:
     """Run ``script`` under torchrun with ``job`` on ``job["world_size"]`` ranks; its result, or the
     failure."""
     work.mkdir(parents=True, exist_ok=True)
     job_path, log_path = work / f"{name}.job.json", work / f"{name}.log"
     job = {**job, "out": str(work / f"{name}.result.json")}
+    if (
+        reuse
+        and job_path.is_file()
+        and json.loads(job_path.read_text()) == job
+        and Path(job["out"]).is_file()
+    ):
+        return json.loads(Path(job["out"]).read_text()) | {"status": "ok", "reused": True}
     Path(job["out"]).unlink(missing_ok=True)
     job_path.write_text(json.dumps(job, indent=1) + "\n")
     command = [sys.executable, str(HERE / script), str(job_path)]
@@ -338,6 +347,16 @@ def main(argv: list[str] | None = None) -> Path:
         help="a recipe override for thdpack's runs (repeatable), "
         "e.g. model.config.recompute_granularity=selective",
     )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a run's result from --work when the same job ran there already (a sweep in several calls)",
+    )
+    parser.add_argument(
+        "--hf-sync-each-microbatch",
+        action="store_true",
+        help="FSDP2 reduce-scatters after every micro-batch (less memory) instead of once per step",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "scale")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -378,6 +397,7 @@ def main(argv: list[str] | None = None) -> Path:
         "liger": not args.no_liger,
         "hf_micro_batch_tokens": args.hf_micro_batch_tokens or budget,
         "thdpack_overrides": args.thdpack_override,
+        "hf_sync_each_microbatch": args.hf_sync_each_microbatch,
     }
     runs = []
     for world in worlds:
@@ -400,8 +420,9 @@ def main(argv: list[str] | None = None) -> Path:
                     run_env = env | (
                         {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"} if args.log_te_backend else {}
                     )
+                    thdpack_job = job | {"layout": layout}
                     result = launch(
-                        "scale_thdpack.py", job | {"layout": layout}, args.work, name, args.timeout, run_env
+                        "scale_thdpack.py", thdpack_job, args.work, name, args.timeout, run_env, args.reuse
                     )
                 runs.append(
                     summarize(
@@ -413,7 +434,7 @@ def main(argv: list[str] | None = None) -> Path:
         if "hf" in sides:
             name = f"hf_fsdp2_{world}"
             print(f"== {name}", flush=True)
-            result = launch("scale_hf.py", job, args.work, name, args.timeout, env)
+            result = launch("scale_hf.py", job, args.work, name, args.timeout, env, args.reuse)
             runs.append(
                 summarize({"side": "hf", "layout": "fsdp2", "world_size": world} | result, args.warmup)
             )

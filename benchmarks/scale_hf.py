@@ -3,10 +3,11 @@
 What a user of the Hugging Face stack runs: the job's directory in transformers, Liger kernels (RoPE, RMSNorm,
 SwiGLU, the fused linear cross-entropy that never builds the logits; CUDA only, their kernels are Triton),
 torch's FSDP2 (``fully_shard`` per decoder layer, then the root; bf16 parameters and fp32 gradient reduction
-on a GPU, fp32 on CPU; gradients reduced once per step, after the last micro-batch, as accelerate does), AdamW
-with the thdpack side's settings. The micro-batches come from thdpack's own loader (every rank its
-data-parallel share of the same global batches) as packed rows: samples concatenated, position ids restarting
-per sample, no attention mask, ``use_cache=False``. Attention over the packed row:
+on a GPU, fp32 on CPU; gradients reduced once per step, after the last micro-batch, as accelerate does, or
+after each with ``hf_sync_each_microbatch``), AdamW with the thdpack side's settings. The micro-batches come
+from thdpack's own loader (every rank its data-parallel share of the same global batches) as packed rows:
+samples concatenated, position ids restarting per sample, no attention mask, ``use_cache=False``. Attention
+over the packed row:
 
 * ``varlen``: one call of ``torch.nn.attention.varlen.varlen_attn`` (flash-attention class) over the samples'
   boundaries, registered through transformers' ``AttentionInterface`` and given the boundaries as the
@@ -194,7 +195,7 @@ def main(job_path: Path) -> None:
         scale = count / world
         loss_sum = torch.zeros((), device=device)
         for i, row in enumerate(rows):
-            model.set_requires_gradient_sync(i == len(rows) - 1)
+            model.set_requires_gradient_sync(job["hf_sync_each_microbatch"] or i == len(rows) - 1)
             kwargs = {}
             if attention == "varlen":
                 cu = row["cu_seq_lens"].to(device, non_blocking=True)
@@ -236,7 +237,9 @@ def main(job_path: Path) -> None:
         "precision": "bf16 params, fp32 reduce and master weights (FSDP2 MixedPrecisionPolicy)"
         if cuda
         else "fp32",
-        "gradient_sync": "once per step (after the last micro-batch)",
+        "gradient_sync": "every micro-batch"
+        if job["hf_sync_each_microbatch"]
+        else "once per step (after the last micro-batch)",
         "micro_batch_tokens": dataset["micro_batch_tokens"],
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
     }

@@ -136,15 +136,11 @@ def make_hf_dir(shape: str, seed: int, out: Path, device: str = "cpu") -> Path:
     path = out / MARKER
     if path.is_file() and json.loads(path.read_text()) == json.loads(json.dumps(marker)):
         return out
+    # drawn in bf16 for the GPU shapes: a 30B model in fp32 would not fit a GPU (or most hosts)
     dtype = torch.float32 if shape in CPU_SHAPES else torch.bfloat16
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # a 30B model in fp32 would not fit a GPU (or most hosts) to be drawn
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     path.write_text(json.dumps(marker, indent=1) + "\n")
