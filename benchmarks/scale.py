@@ -179,6 +179,8 @@ def compare(runs: list[dict]) -> list[dict]:
     rows = []
     for hf in (r for r in runs if r["side"] == "hf"):
         for ours in (r for r in runs if r["side"] == "thdpack" and r["world_size"] == hf["world_size"]):
+            if ours["status"].startswith("skipped"):
+                continue  # the runs table says why
             row = {"world_size": hf["world_size"], "layout": ours["layout"]}
             if ours["status"] == "ok" and hf["status"] == "ok":
                 row |= {
@@ -399,6 +401,7 @@ def main(argv: list[str] | None = None) -> Path:
         "thdpack_overrides": args.thdpack_override,
         "hf_sync_each_microbatch": args.hf_sync_each_microbatch,
     }
+    runs_dir = args.work / "runs" / Path(hf_dir).name  # one folder a model: run names repeat across shapes
     runs = []
     for world in worlds:
         dataset = dataset_config(
@@ -422,7 +425,7 @@ def main(argv: list[str] | None = None) -> Path:
                     )
                     thdpack_job = job | {"layout": layout}
                     result = launch(
-                        "scale_thdpack.py", thdpack_job, args.work, name, args.timeout, run_env, args.reuse
+                        "scale_thdpack.py", thdpack_job, runs_dir, name, args.timeout, run_env, args.reuse
                     )
                 runs.append(
                     summarize(
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> Path:
         if "hf" in sides:
             name = f"hf_fsdp2_{world}"
             print(f"== {name}", flush=True)
-            result = launch("scale_hf.py", job, args.work, name, args.timeout, env, args.reuse)
+            result = launch("scale_hf.py", job, runs_dir, name, args.timeout, env, args.reuse)
             runs.append(
                 summarize({"side": "hf", "layout": "fsdp2", "world_size": world} | result, args.warmup)
             )
