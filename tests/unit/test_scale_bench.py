@@ -1,0 +1,156 @@
+"""The pieces of benchmarks/scale.py that decide what the two sides compute: the packed row the transformers
+side trains on, its varlen attention function (CPU path), the by-name QKV merge of the thdpack side, and the
+layout names. The end-to-end run is tests/functional/test_scale_bench.py."""
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import scale  # noqa: E402
+import scale_hf  # noqa: E402
+import scale_weights  # noqa: E402
+
+
+def test_pack_row_concatenates_real_tokens_and_restarts_positions():
+    batch = {
+        "tokens": torch.tensor([[5, 6, 7], [8, 9, 0]]),
+        "labels": torch.tensor([[6, 7, -100], [9, -100, -100]]),
+        "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+    }
+    row = scale_hf.pack_row(batch)
+    assert row["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert row["shift_labels"].tolist() == [[6, 7, -100, 9, -100]]
+    assert row["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert row["cu_seq_lens"].tolist() == [0, 3, 5]
+    assert row["max_length"] == 3
+    assert row["targets"] == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return config
+
+
+def _loss(config, attention, row, extra):
+    from transformers import AttentionInterface, LlamaForCausalLM
+
+    AttentionInterface.register(scale_hf.VARLEN, scale_hf.varlen_attention)
+    torch.manual_seed(0)
+    config._attn_implementation = attention
+    model = LlamaForCausalLM(config)
+    out = model(
+        input_ids=row["input_ids"],
+        position_ids=row["position_ids"],
+        labels=row["shift_labels"],
+        shift_labels=row["shift_labels"],
+        use_cache=False,
+        **extra,
+    )
+    return out.loss
+
+
+def test_varlen_attention_cpu_path_matches_transformers_packed_sdpa(tiny_llama):
+    lengths = [5, 3, 7]
+    tokens = torch.randint(0, 64, (3, 7))
+    batch = {
+        "tokens": tokens,
+        "labels": torch.where(torch.arange(7) < torch.tensor(lengths)[:, None] - 1, tokens.roll(-1, 1), -100),
+        "attention_mask": (torch.arange(7) < torch.tensor(lengths)[:, None]).long(),
+    }
+    row = scale_hf.pack_row(batch)
+    cu = row["cu_seq_lens"]
+    varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    ours = _loss(tiny_llama, scale_hf.VARLEN, row, varlen)
+    reference = _loss(tiny_llama, "sdpa", row, {})
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)
+
+
+def test_varlen_attention_refuses_an_attention_mask():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="without an attention mask"):
+        scale_hf.varlen_attention(None, q, q, q, torch.ones(1, 1, 3, 3), cu_seq_lens_q=None, max_length_q=3)
+
+
+class _Checkpoint(scale_weights.Checkpoint):
+    """A checkpoint held in memory: the slicing of :class:`Checkpoint` over plain tensors."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def shape(self, name):
+        return list(self.tensors[name].shape)
+
+    def read(self, name, rows=None, cols=None):
+        t = self.tensors[name]
+        return t[rows[0] : rows[1]] if rows else t[:, cols[0] : cols[1]] if cols else t
+
+
+# 4 query heads in 2 groups, head dim 1, hidden 1: each row holds its own name
+QKV = {
+    "p.self_attn.q_proj.weight": torch.tensor([[0.0], [1.0], [2.0], [3.0]]),
+    "p.self_attn.k_proj.weight": torch.tensor([[10.0], [11.0]]),
+    "p.self_attn.v_proj.weight": torch.tensor([[20.0], [21.0]]),
+}
+HEADS = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=1)
+
+
+def test_fused_qkv_puts_each_groups_queries_then_its_key_and_value():
+    fused = scale_weights._qkv(_Checkpoint(QKV), HEADS, "p.", tp=1, rank=0)
+    assert fused.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+def test_fused_qkv_under_tensor_parallelism_gives_each_rank_whole_groups():
+    fused = scale_weights._qkv(_Checkpoint(QKV), HEADS, "p.", tp=2, rank=1)
+    assert fused.flatten().tolist() == [2, 3, 11, 21]
+
+
+def test_gated_mlp_stacks_this_ranks_gate_then_up():
+    mlp = {
+        "m.gate_proj.weight": torch.arange(4.0)[:, None],
+        "m.up_proj.weight": 10 + torch.arange(4.0)[:, None],
+    }
+    assert scale_weights._gated(_Checkpoint(mlp), "m.", tp=2, rank=0).flatten().tolist() == [0, 1, 10, 11]
+
+
+def test_layout_names_read_as_parallel_sizes_and_alignment():
+    assert scale.parse_layout("tp2pp2:fold") == {
+        "name": "tp2pp2:fold",
+        "tp": 2,
+        "pp": 2,
+        "cp": 1,
+        "ep": 1,
+        "mode": "fold",
+    }
+    assert scale.parse_layout("dp")["tp"] == 1
+
+
+def test_a_misspelt_layout_is_refused():
+    with pytest.raises(ValueError, match="layout 'tp'"):
+        scale.parse_layout("tp")
+
+
+def test_a_layout_larger_than_the_world_is_skipped_with_its_reason():
+    assert scale.layout_fits(scale.parse_layout("tp2"), 1) == "1 ranks do not divide into tp x pp x cp = 2"
+    assert scale.layout_fits(scale.parse_layout("tp2"), 4) is None
