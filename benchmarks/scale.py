@@ -466,8 +466,8 @@ def main(argv: list[str] | None = None) -> Path:
             "world_sizes": worlds,
             "thdpack_overrides": args.thdpack_override,
             "smoke": args.smoke,
-            "weights": "the same Hugging Face directory on both sides; thdpack copies it in by name "
-            "(benchmarks/scale_weights.py)",
+            "weights": "the same Hugging Face directory on both sides; thdpack imports it with model=hf "
+            "model.pretrained=DIR (thdpack.hf)",
         },
         "headline": headline(runs, rows),
         "comparison": rows,

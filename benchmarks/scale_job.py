@@ -4,8 +4,8 @@ reports.
 
 A shape is a transformers config (``LlamaConfig`` or ``Qwen3MoeConfig``); :func:`make_hf_dir` writes it with
 random weights drawn from a seed (``save_pretrained``: fp32 for the CPU shapes, bf16 for the GPU ones, as real
-checkpoints ship). :func:`thdpack_overrides` reads a directory's ``config.json`` back into thdpack recipe
-overrides, so thdpack builds the model the directory holds, and :func:`dataset_config` is the one data recipe
+checkpoints ship). :func:`thdpack_overrides` imports a directory into thdpack as a user does
+(``model=hf model.pretrained=DIR``), and :func:`dataset_config` is the one data recipe
 both sides read (thdpack through its overrides, transformers through :func:`thdpack.data.build_train_data`).
 """
 
@@ -147,67 +147,24 @@ def make_hf_dir(shape: str, seed: int, out: Path, device: str = "cpu") -> Path:
     return out
 
 
-def rope_theta(config) -> float:
-    """RoPE's base from a transformers config (``rope_parameters`` in transformers 5, ``rope_theta`` before);
-    a scaled RoPE (Llama 3.1's, YaRN, ...) is refused: thdpack's recipes have no RoPE scaling to match it."""
-    params = getattr(config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ValueError(f"config.json has rope_type '{kind}': the benchmark matches only unscaled RoPE")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("config.json has no rope_theta")
-    return float(theta)
-
-
 def thdpack_overrides(hf_dir: Path, device: str) -> list[str]:
-    """Recipe overrides that build the model of ``hf_dir`` (``model=...`` and ``++model.*``): its sizes, norm
-    epsilon, RoPE base, vocabulary and tying, and for Qwen3-MoE its experts, routing and QK norm. ``device``
-    ("cuda" or "cpu") picks grouped-GEMM experts (Transformer Engine's) or one module per expert."""
-    from transformers import AutoConfig
+    """Recipe overrides that import ``hf_dir`` as a user does: ``model=hf model.pretrained=DIR`` (its
+    config.json builds the model and its weights are loaded under the run's layout, :mod:`thdpack.hf`, which
+    refuses what it cannot import exactly). Only the benchmark's one choice that config.json leaves open is added:
+    on ``device`` "cuda" a mixture of experts runs as Transformer Engine's grouped GEMM, on a CPU one module
+    per expert."""
+    from thdpack.hf.config import read_hf_config
 
-    config = AutoConfig.from_pretrained(hf_dir)
-    if config.model_type not in ("llama", "qwen3_moe"):
-        raise ValueError(f"{hf_dir}/config.json: model_type '{config.model_type}' is not llama or qwen3_moe")
-    for key in ("attention_bias", "mlp_bias"):
-        if getattr(config, key, False):
-            raise ValueError(f"{hf_dir}/config.json: {key} is true; thdpack's recipes have no biases")
-    heads, groups = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    model = {
-        "vocab_size": config.vocab_size,
-        "rotary_base": rope_theta(config),
-        "share_embeddings_and_output_weights": bool(config.tie_word_embeddings),
-    }
-    layers = {
-        "num_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "ffn_hidden_size": config.intermediate_size,
-        "num_attention_heads": heads,
-        "num_query_groups": groups,
-        "kv_channels": head_dim,
-        "layernorm_epsilon": config.rms_norm_eps,
-    }
-    base = "llama3_1b"
-    if config.model_type == "qwen3_moe":
-        base = "qwen3_30b_a3b"
-        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise ValueError(f"{hf_dir}/config.json: dense layers among the MoE ones are not matched here")
-        layers |= {
-            "num_moe_experts": config.num_experts,
-            "moe_router_topk": config.num_experts_per_tok,
-            "moe_ffn_hidden_size": config.moe_intermediate_size,
-            # Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob; Megatron's
-            # top-k then softmax is the same renormalised rule, its pre-softmax the other
-            "moe_router_pre_softmax": not config.norm_topk_prob,
-            "qk_layernorm": True,
-            "moe_grouped_gemm": device == "cuda",
-        }
-    return [
-        f"model={base}",
-        *(f"++model.{k}={_value(v)}" for k, v in model.items()),
-        *(f"++model.config.{k}={_value(v)}" for k, v in layers.items()),
-    ]
+    config = read_hf_config(hf_dir)
+    if config.get("model_type") not in ("llama", "qwen3_moe"):
+        raise ValueError(
+            f"{config['_path']}: model_type '{config.get('model_type')}' is not llama or qwen3_moe (the two "
+            "families the transformers side applies Liger's kernels to)"
+        )
+    overrides = ["model=hf", f"model.pretrained={Path(hf_dir).resolve()}"]
+    if config["model_type"] == "qwen3_moe":
+        overrides.append(f"model.config.moe_grouped_gemm={str(device == 'cuda').lower()}")
+    return overrides
 
 
 def dataset_config(

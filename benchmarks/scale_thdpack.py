@@ -1,9 +1,9 @@
 """The thdpack side of ``benchmarks/scale.py``: a worker of ``torchrun ... scale_thdpack.py JOB.json``.
 
-Builds the run from thdpack's recipe (``thdpack.training.loop.setup_run``: the model of the job's Hugging Face
-directory, its layout, the job's samples), copies the directory's weights in (``scale_weights``: a by-name
-copy, then Megatron's optimizer reloads its fp32 main parameters from them), and times ``train_step`` over the
-job's steps, reading the loss every step as the transformers side does.
+Builds the run from thdpack's recipe (``thdpack.training.loop.setup_run``): the job's Hugging Face directory
+imported as a user imports one (``model=hf model.pretrained=DIR``: its config.json builds the model, its weights
+are loaded under the job's layout, :mod:`thdpack.hf`), its layout and its samples; then times ``train_step``
+over the job's steps, reading the loss and the gradient norm every step as the transformers side does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from scale_job import (  # noqa: E402
     thdpack_overrides,
     write_worker_result,
 )
-from scale_weights import load_hf_weights  # noqa: E402
 
 
 def overrides(job: dict, device: str) -> list[str]:
@@ -61,8 +60,6 @@ def main(job_path: Path) -> None:
     from hydra import compose, initialize_config_dir
     from megatron.core import parallel_state as ps
 
-    from thdpack.megatron.step import reduce_loss_report
-    from thdpack.megatron.unwrap import unwrap_model
     from thdpack.training.loop import recipes_dir, setup_run, train_step
 
     job = json.loads(job_path.read_text())
@@ -70,19 +67,23 @@ def main(job_path: Path) -> None:
     with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
         cfg = compose("train", overrides=overrides(job, device))
     run = setup_run(cfg)
-    written = load_hf_weights(unwrap_model(run.model), Path(job["hf_dir"]))
-    run.optimizer.reload_model_params()  # the fp32 main parameters were cloned from the random init
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     steps = []
     for step in range(1, job["steps"] + 1):
         start = time.perf_counter()
         batches = run.data.next_step()
-        losses, updated, grad_norm = train_step(run, batches)
-        if not updated:
-            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm}")
-        loss = float(reduce_loss_report(losses)) if last_stage else None
+        losses, outcome = train_step(run, batches)
+        # read back every step, as the transformers side does: the benchmark times both sides' steps alike, not
+        # the training loop's deferred read of the step's scalars
+        loss = run.step.loss.reduce(losses) if last_stage else None
         if device == "cuda":
             torch.cuda.synchronize()
+        grad_norm, skipped = float(outcome.grad_norm), bool(outcome.skipped)
+        if skipped:
+            raise FloatingPointError(
+                f"step {step}: the gradient norm is {grad_norm}; the update was held back"
+            )
+        loss = None if loss is None else float(loss)
         real = sum(int(mb.sum()) for rank in run.data.step_lengths for mb in rank)
         steps.append(step_record(step, time.perf_counter() - start, real, len(batches), loss, grad_norm))
     side = {
@@ -99,9 +100,9 @@ def main(job_path: Path) -> None:
         },
         "attention_backend": run.runtime.backend,
         "precision": run.runtime.precision,
-        "alignment": run.alignment.mode,
+        "alignment": run.step.batch.alignment.mode,
         "micro_batch_tokens": job["dataset"]["micro_batch_tokens"],
-        "parameters_written_rank0": written,
+        "weights": "model=hf model.pretrained (thdpack.hf)",
     }
     write_worker_result(Path(job["out"]), side, steps)
     ps.destroy_model_parallel()

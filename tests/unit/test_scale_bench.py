@@ -1,11 +1,11 @@
 """The pieces of benchmarks/scale.py that decide what the two sides compute: the packed row the transformers
-side trains on, its varlen attention function (CPU path), the by-name QKV merge of the thdpack side, and the
-layout names. The end-to-end run is tests/functional/test_scale_bench.py."""
+side trains on, its varlen attention function (CPU path), the recipe that imports the directory into thdpack,
+and the layout names. The end-to-end run is tests/functional/test_scale_bench.py."""
 
+import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import scale  # noqa: E402
 import scale_hf  # noqa: E402
-import scale_weights  # noqa: E402
+import scale_job  # noqa: E402
 
 
 def test_pack_row_concatenates_real_tokens_and_restarts_positions():
@@ -90,48 +90,25 @@ def test_varlen_attention_refuses_an_attention_mask():
         scale_hf.varlen_attention(None, q, q, q, torch.ones(1, 1, 3, 3), cu_seq_lens_q=None, max_length_q=3)
 
 
-class _Checkpoint(scale_weights.Checkpoint):
-    """A checkpoint held in memory: the slicing of :class:`Checkpoint` over plain tensors."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def __contains__(self, name):
-        return name in self.tensors
-
-    def shape(self, name):
-        return list(self.tensors[name].shape)
-
-    def read(self, name, rows=None, cols=None):
-        t = self.tensors[name]
-        return t[rows[0] : rows[1]] if rows else t[:, cols[0] : cols[1]] if cols else t
+def _hf_dir(tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return tmp_path
 
 
-# 4 query heads in 2 groups, head dim 1, hidden 1: each row holds its own name
-QKV = {
-    "p.self_attn.q_proj.weight": torch.tensor([[0.0], [1.0], [2.0], [3.0]]),
-    "p.self_attn.k_proj.weight": torch.tensor([[10.0], [11.0]]),
-    "p.self_attn.v_proj.weight": torch.tensor([[20.0], [21.0]]),
-}
-HEADS = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=1)
+def test_thdpack_imports_the_directory_as_a_user_does(tmp_path):
+    directory = _hf_dir(tmp_path, "llama")
+    assert scale_job.thdpack_overrides(directory, "cuda") == ["model=hf", f"model.pretrained={directory}"]
 
 
-def test_fused_qkv_puts_each_groups_queries_then_its_key_and_value():
-    fused = scale_weights._qkv(_Checkpoint(QKV), HEADS, "p.", tp=1, rank=0)
-    assert fused.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+@pytest.mark.parametrize(("device", "grouped"), [("cuda", "true"), ("cpu", "false")])
+def test_moe_experts_run_as_grouped_gemm_on_cuda_only(tmp_path, device, grouped):
+    overrides = scale_job.thdpack_overrides(_hf_dir(tmp_path, "qwen3_moe"), device)
+    assert overrides[-1] == f"model.config.moe_grouped_gemm={grouped}"
 
 
-def test_fused_qkv_under_tensor_parallelism_gives_each_rank_whole_groups():
-    fused = scale_weights._qkv(_Checkpoint(QKV), HEADS, "p.", tp=2, rank=1)
-    assert fused.flatten().tolist() == [2, 3, 11, 21]
-
-
-def test_gated_mlp_stacks_this_ranks_gate_then_up():
-    mlp = {
-        "m.gate_proj.weight": torch.arange(4.0)[:, None],
-        "m.up_proj.weight": 10 + torch.arange(4.0)[:, None],
-    }
-    assert scale_weights._gated(_Checkpoint(mlp), "m.", tp=2, rank=0).flatten().tolist() == [0, 1, 10, 11]
+def test_a_family_without_liger_kernels_on_the_transformers_side_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="config.json: model_type 'qwen2' is not llama or qwen3_moe"):
+        scale_job.thdpack_overrides(_hf_dir(tmp_path, "qwen2"), "cpu")
 
 
 def test_layout_names_read_as_parallel_sizes_and_alignment():
