@@ -1,6 +1,6 @@
 """Scale-out: thdpack against transformers + Liger + FSDP2 on the same fine-tuning job, on 1..N GPUs.
 
-    python benchmarks/scale.py --smoke                          # CPU, gloo: tiny shape, 1 and 2 ranks
+    python benchmarks/scale.py --smoke                          # CPU, gloo: tiny shape, 2 ranks
     python benchmarks/scale.py --shape llama3_1b --world-sizes 1          # one GPU
     python benchmarks/scale.py --shape llama3_8b --layouts tp2,pp2,tp2pp2,dp --world-sizes 2,4,8
 
@@ -43,14 +43,17 @@ sys.path.insert(0, str(HERE))
 from scale_job import CPU_SHAPES, MIXES, SHAPES, dataset_config, make_hf_dir  # noqa: E402
 
 _LAYOUT = re.compile(r"((?:tp|pp|cp|ep)\d+)+|dp")
+# The CPU check (the L1 test): two ranks run each side's step as one rank does, plus the data-parallel split and
+# reductions (one rank's launch without torchrun is the one-GPU test's). Defaults: --smoke --world-sizes 1,2 adds
+# a world size.
 SMOKE = dict(
     shape="tiny",
-    world_sizes="1,2",
+    world_sizes="2",
     layouts="dp",
     seq_length=256,
     micro_batch_tokens=512,
     samples_per_gpu=4,
-    steps=3,
+    steps=2,
     warmup=1,
 )
 
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> Path:
         default=[],
         metavar="KEY=VALUE",
         help="a recipe override for thdpack's runs (repeatable), "
-        "e.g. model.config.recompute_granularity=selective",
+        "e.g. +model.config.recompute_granularity=selective (+: a Megatron key model=hf does not list)",
     )
     parser.add_argument(
         "--reuse",
@@ -364,10 +367,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--label", help="in the report's name: scale-<label>_<device>_<date>")
     parser.add_argument("--tag", help="device tag in the report's name (default: from the GPU)")
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
     layouts = [parse_layout(t) for t in args.layouts.split(",")]
     worlds = [int(n) for n in args.world_sizes.split(",")]
     sides = args.sides.split(",")

@@ -131,3 +131,62 @@ def test_a_misspelt_layout_is_refused():
 def test_a_layout_larger_than_the_world_is_skipped_with_its_reason():
     assert scale.layout_fits(scale.parse_layout("tp2"), 1) == "1 ranks do not divide into tp x pp x cp = 2"
     assert scale.layout_fits(scale.parse_layout("tp2"), 4) is None
+
+
+def _run(side, layout, world, tok_s, status="ok"):
+    return {
+        "side": side,
+        "layout": layout,
+        "world_size": world,
+        "status": status,
+        "real_tokens_per_s_per_gpu": tok_s,
+        "first_step_loss": 7.0,
+        "peak_memory_gib_max": None,
+    }
+
+
+def test_steady_throughput_leaves_the_warmup_steps_out():
+    steps = [
+        {"time_s": 9.0, "real_tokens": 10, "loss": 7.0},
+        {"time_s": 2.0, "real_tokens": 100, "loss": 6.0},
+    ]
+    result = {
+        "status": "ok",
+        "world_size": 2,
+        "steps": steps,
+        "peak_memory_gib": [None],
+        "peak_rss_gib": [1.0],
+    }
+    summary = scale.summarize(result, warmup=1)
+    assert (summary["steps_measured"], summary["real_tokens_per_s_per_gpu"]) == (1, 25.0)
+    assert summary["losses"] == [7.0, 6.0]
+
+
+def test_scaling_efficiency_divides_by_the_smallest_world_of_the_same_side_and_layout():
+    runs = [
+        _run("thdpack", "dp", 1, 100.0),
+        _run("thdpack", "dp", 2, 90.0),
+        _run("thdpack", "tp2", 2, 80.0),
+        _run("thdpack", "tp2", 4, 60.0),
+        _run("hf", "fsdp2", 2, 40.0),
+    ]
+    scale.add_scaling(runs)
+    assert [(r["scaling_base_world_size"], r["scaling_efficiency"]) for r in runs] == [
+        (1, 1.0),
+        (1, 0.9),
+        (2, 1.0),
+        (2, 0.75),
+        (2, 1.0),
+    ]
+
+
+def test_comparison_pairs_each_thdpack_layout_with_transformers_at_its_world_size():
+    runs = [
+        _run("thdpack", "dp", 2, 90.0),
+        _run("thdpack", "tp2", 2, 60.0),
+        _run("thdpack", "tp4", 2, None, status="skipped: 2 ranks do not divide into tp x pp x cp = 4"),
+        _run("hf", "fsdp2", 2, 30.0),
+    ]
+    rows = scale.compare(runs)
+    assert [(r["layout"], r["speedup"]) for r in rows] == [("dp", 3.0), ("tp2", 2.0)]
+    assert scale.headline(runs, rows)["best_thdpack_layout"] == "dp"
