@@ -1,0 +1,516 @@
+"""Scale-out: thdpack against transformers + Liger + FSDP2 on the same fine-tuning job, on 1..N GPUs.
+
+    python benchmarks/scale.py --smoke                          # CPU, gloo: tiny shape, 2 ranks
+    python benchmarks/scale.py --shape llama3_1b --world-sizes 1          # one GPU
+    python benchmarks/scale.py --shape llama3_8b --layouts tp2,pp2,tp2pp2,dp --world-sizes 2,4,8
+
+The job: a Hugging Face directory of the shape (made here from a seed, ``scale_job.make_hf_dir``), the same
+synthetic samples (the chat-like length mix, or every sample ``--seq-length`` tokens with ``--mix full``), the
+same global batches (``--samples-per-gpu`` x world size samples a step) cut by thdpack's own loader into
+packed micro-batches of at most ``--micro-batch-tokens`` tokens, every data-parallel rank its share. Each side
+trains it in its own ``torchrun`` launch per world size:
+
+* thdpack (``scale_thdpack.py``) with each ``--layouts`` entry: ``dp``, or parallel sizes such as ``tp2``,
+  ``pp2``, ``cp2``, ``ep2``, ``tp2pp2``, optionally ``:fold`` / ``:distinct`` for the packed alignment
+  (``dataset.mode``); data parallelism is what the world size leaves;
+* transformers + Liger + FSDP2 (``scale_hf.py``), packed rows with varlen attention.
+
+Reported per side and world size: real tokens/s per GPU over the steady steps (``--warmup`` first steps
+excluded), peak memory, scaling efficiency (tokens/s per GPU at N over that at the smallest world size the
+side ran), first-step losses side by side with their difference, device, versions and date ->
+``<out>/scale[-<label>]_<device>_<date>.{json,md}``. A run that fails (out of memory, a layout the world size
+cannot hold) is recorded with its reason and the log's tail, and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from scale_job import CPU_SHAPES, MIXES, SHAPES, dataset_config, make_hf_dir  # noqa: E402
+
+_LAYOUT = re.compile(r"((?:tp|pp|cp|ep)\d+)+|dp")
+# The CPU check (the L1 test): two ranks run each side's step as one rank does, plus the data-parallel split and
+# reductions (one rank's launch without torchrun is the one-GPU test's). Defaults: --smoke --world-sizes 1,2 adds
+# a world size.
+SMOKE = dict(
+    shape="tiny",
+    world_sizes="2",
+    layouts="dp",
+    seq_length=256,
+    micro_batch_tokens=512,
+    samples_per_gpu=4,
+    steps=2,
+    warmup=1,
+)
+
+
+def parse_layout(text: str) -> dict:
+    """``tp2pp2:fold`` -> ``{"name": "tp2pp2:fold", "tp": 2, "pp": 2, "cp": 1, "ep": 1, "mode": "fold"}``."""
+    spec, _, mode = text.partition(":")
+    if not _LAYOUT.fullmatch(spec) or mode not in ("", "auto", "fold", "distinct"):
+        raise ValueError(
+            f"layout '{text}': write dp, or sizes such as tp2, pp2, cp2, ep2, tp2pp2, "
+            "optionally :fold or :distinct"
+        )
+    sizes = {key: 1 for key in ("tp", "pp", "cp", "ep")}
+    for key, size in re.findall(r"(tp|pp|cp|ep)(\d+)", spec):
+        sizes[key] = int(size)
+    return {"name": text, **sizes, "mode": mode or "auto"}
+
+
+def layout_fits(layout: dict, world: int) -> str | None:
+    """Why ``layout`` cannot run on ``world`` ranks, or None."""
+    model_parallel = layout["tp"] * layout["pp"] * layout["cp"]
+    if world % model_parallel:
+        return f"{world} ranks do not divide into tp x pp x cp = {model_parallel}"
+    if (world // layout["pp"]) % layout["ep"]:
+        return f"ep {layout['ep']} does not divide the {world // layout['pp']} ranks of a pipeline stage"
+    return None
+
+
+def launch(
+    script: str, job: dict, work: Path, name: str, timeout: float, env: dict, reuse: bool = False
+) -> dict:
+    """Run ``script`` under torchrun with ``job`` on ``job["world_size"]`` ranks; its result, or the
+    failure."""
+    work.mkdir(parents=True, exist_ok=True)
+    job_path, log_path = work / f"{name}.job.json", work / f"{name}.log"
+    job = {**job, "out": str(work / f"{name}.result.json")}
+    if (
+        reuse
+        and job_path.is_file()
+        and json.loads(job_path.read_text()) == job
+        and Path(job["out"]).is_file()
+    ):
+        return json.loads(Path(job["out"]).read_text()) | {"status": "ok", "reused": True}
+    Path(job["out"]).unlink(missing_ok=True)
+    job_path.write_text(json.dumps(job, indent=1) + "\n")
+    command = [sys.executable, str(HERE / script), str(job_path)]
+    if job["world_size"] > 1:
+        command[1:1] = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={job['world_size']}",
+        ]
+    else:  # one rank needs no torchrun agent (one process start less), only its environment
+        env = env | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        env["MASTER_PORT"] = str(_free_port())
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            code = subprocess.run(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    text = log_path.read_text(errors="replace")
+    if code == 0 and Path(job["out"]).is_file():
+        result = json.loads(Path(job["out"]).read_text())
+        result["status"] = "ok"
+        result["te_backend_lines"] = sorted({line.strip() for line in text.splitlines() if _te_backend(line)})
+        return result | {"launch_s": time.perf_counter() - started}
+    status = "out of memory" if re.search(r"out of memory|OutOfMemoryError", text) else f"failed ({code})"
+    return {"status": status, "log": str(log_path), "log_tail": text.splitlines()[-25:]}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _te_backend(line: str) -> bool:
+    # Transformer Engine's attention backend choice, logged with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2
+    return "backend" in line and ("Selected" in line or "Running with" in line or "Available" in line)
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    """Steady-state numbers of one run: real tokens/s per GPU, step time, peak memory, first-step loss."""
+    if result["status"] != "ok":
+        return result
+    steps, world = result["steps"], result["world_size"]
+    steady = steps[warmup:] or steps
+    time_s = sum(s["time_s"] for s in steady)
+    tokens = sum(s["real_tokens"] for s in steady)
+    peaks = [p for p in result["peak_memory_gib"] if p is not None]
+    return result | {
+        "steps_measured": len(steady),
+        "step_time_s": time_s / len(steady),
+        "real_tokens_per_s": tokens / time_s,
+        "real_tokens_per_s_per_gpu": tokens / time_s / world,
+        "peak_memory_gib_max": max(peaks) if peaks else None,
+        "peak_rss_gib_max": max(result["peak_rss_gib"]),
+        "first_step_loss": steps[0]["loss"],
+        "losses": [s["loss"] for s in steps],
+    }
+
+
+def add_scaling(runs: list[dict]) -> None:
+    """``scaling_efficiency``: tokens/s per GPU at N over that of the same side and layout at its smallest
+    world size that ran (``scaling_base_world_size``)."""
+    for run in runs:
+        peers = [
+            r
+            for r in runs
+            if r["side"] == run["side"] and r["layout"] == run["layout"] and r["status"] == "ok"
+        ]
+        if run["status"] != "ok" or not peers:
+            continue
+        base = min(peers, key=lambda r: r["world_size"])
+        run["scaling_base_world_size"] = base["world_size"]
+        run["scaling_efficiency"] = run["real_tokens_per_s_per_gpu"] / base["real_tokens_per_s_per_gpu"]
+
+
+def compare(runs: list[dict]) -> list[dict]:
+    """Per world size and thdpack layout: the speed ratio to the transformers side and the first-step
+    losses."""
+    rows = []
+    for hf in (r for r in runs if r["side"] == "hf"):
+        for ours in (r for r in runs if r["side"] == "thdpack" and r["world_size"] == hf["world_size"]):
+            if ours["status"].startswith("skipped"):
+                continue  # the runs table says why
+            row = {"world_size": hf["world_size"], "layout": ours["layout"]}
+            if ours["status"] == "ok" and hf["status"] == "ok":
+                row |= {
+                    "thdpack_tok_s_per_gpu": ours["real_tokens_per_s_per_gpu"],
+                    "hf_tok_s_per_gpu": hf["real_tokens_per_s_per_gpu"],
+                    "speedup": ours["real_tokens_per_s_per_gpu"] / hf["real_tokens_per_s_per_gpu"],
+                    "first_step_loss_thdpack": ours["first_step_loss"],
+                    "first_step_loss_hf": hf["first_step_loss"],
+                    "first_step_loss_diff": ours["first_step_loss"] - hf["first_step_loss"],
+                    "thdpack_peak_gib": ours["peak_memory_gib_max"],
+                    "hf_peak_gib": hf["peak_memory_gib_max"],
+                }
+            else:
+                row["status"] = f"thdpack {ours['status']}, hf {hf['status']}"
+            rows.append(row)
+    return rows
+
+
+def headline(runs: list[dict], rows: list[dict]) -> dict:
+    """At the largest world size both sides ran: thdpack's best layout against transformers + Liger +
+    FSDP2."""
+    done = [r for r in rows if "speedup" in r]
+    if not done:
+        return {}
+    world = max(r["world_size"] for r in done)
+    best = max((r for r in done if r["world_size"] == world), key=lambda r: r["speedup"])
+    ours = next(
+        r
+        for r in runs
+        if r["side"] == "thdpack" and r["layout"] == best["layout"] and r["world_size"] == world
+    )
+    hf = next(r for r in runs if r["side"] == "hf" and r["world_size"] == world)
+    return {
+        "world_size": world,
+        "best_thdpack_layout": best["layout"],
+        "speedup_per_gpu": best["speedup"],
+        "scaling_efficiency_thdpack": ours.get("scaling_efficiency"),
+        "scaling_efficiency_hf": hf.get("scaling_efficiency"),
+        "scaling_base_world_size": [ours.get("scaling_base_world_size"), hf.get("scaling_base_world_size")],
+        "max_abs_first_step_loss_diff": max(abs(r["first_step_loss_diff"]) for r in done),
+    }
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    names = ("torch", "transformers", "liger-kernel", "megatron-core", "transformer-engine", "thdpack")
+    return {"python": platform.python_version(), **{n: version(n) for n in names}}
+
+
+def device_name(runs: list[dict]) -> tuple[str, str]:
+    """(the device's name as the workers saw it, its tag in file names). The driver itself never touches the
+    GPU: a CUDA context here would hold memory on GPU 0 while the workers run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return platform.processor() or "cpu", "cpu"
+    name = next((r["device_name"] for r in runs if r.get("device_name")), "GPU")
+    tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
+    return f"{torch.cuda.device_count()}x {name}", tag
+
+
+def write_report(payload: dict, out: Path, label: str | None) -> Path:
+    date = payload["date"][:10]
+    stem = out / f"scale{'-' + label if label else ''}_{payload['tag']}_{date}"
+    out.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    setup, v = payload["setup"], payload["versions"]
+    lines = [
+        f"# Scale-out: thdpack against transformers + Liger + FSDP2, {setup['shape']} on "
+        f"{payload['device']}, {date}",
+        "",
+        f"torch {v['torch']}, transformers {v['transformers']}, liger-kernel {v['liger-kernel']}, "
+        f"megatron-core {v['megatron-core']}, Transformer Engine {v['transformer-engine']}. "
+        f"Mix `{setup['mix']}`, seq_length "
+        f"{setup['seq_length']}, {setup['samples_per_gpu']} samples per GPU a step, micro-batches of at most "
+        f"{setup['micro_batch_tokens']} tokens (transformers: {setup['hf_micro_batch_tokens']}), "
+        f"{setup['steps']} "
+        f"steps, the first {setup['warmup']} not timed.",
+        "",
+        "| side | layout | GPUs | status | real tok/s/GPU | s/step | peak GiB | scaling eff. "
+        "| first-step loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["runs"]:
+        if r["status"] != "ok":
+            lines.append(
+                f"| {r['side']} | {r['layout']} | {r['world_size']} | {r['status']} | - | - | - | - | - |"
+            )
+            continue
+        lines.append(
+            f"| {r['side']} | {r['layout']} | {r['world_size']} | ok | "
+            f"{r['real_tokens_per_s_per_gpu']:,.0f} | "
+            f"{r['step_time_s']:.3f} | {_fmt(r['peak_memory_gib_max'], '{:.1f}')} | "
+            f"{_fmt(r.get('scaling_efficiency'), '{:.2f}')} (vs {r.get('scaling_base_world_size')}) | "
+            f"{r['first_step_loss']:.6f} |"
+        )
+    lines += [
+        "",
+        "| GPUs | thdpack layout | speedup per GPU | first-step loss thdpack / hf | difference |",
+        "|---|---|---|---|---|",
+    ]
+    for row in payload["comparison"]:
+        if "speedup" in row:
+            lines.append(
+                f"| {row['world_size']} | {row['layout']} | {row['speedup']:.2f}x | "
+                f"{row['first_step_loss_thdpack']:.6f} / {row['first_step_loss_hf']:.6f} | "
+                f"{row['first_step_loss_diff']:+.2e} |"
+            )
+        else:
+            lines.append(f"| {row['world_size']} | {row['layout']} | {row['status']} | - | - |")
+    hf = next((r for r in payload["runs"] if r["side"] == "hf" and r["status"] == "ok"), None)
+    if hf:
+        lines += [
+            "",
+            f"transformers side: attention {hf['attention_detail']}; Liger: {hf['liger']}; "
+            f"{hf['precision']}.",
+        ]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {stem}.json, .md")
+    return stem
+
+
+def _fmt(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help=f"the CPU check: {SMOKE}")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3_1b")
+    parser.add_argument(
+        "--hf-dir", type=Path, help="a Llama or Qwen3-MoE directory to use instead of --shape's"
+    )
+    parser.add_argument(
+        "--layouts", default="dp", help="thdpack layouts, comma-separated (dp, tp2, pp2, cp2:fold, ...)"
+    )
+    parser.add_argument("--world-sizes", default="1")
+    parser.add_argument("--sides", default="thdpack,hf")
+    parser.add_argument("--mix", choices=MIXES, default="chat")
+    parser.add_argument("--seq-length", type=int, default=8192)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--hf-micro-batch-tokens", type=int, help="transformers' budget (default: the same)")
+    parser.add_argument("--samples-per-gpu", type=int, default=32, help="samples a step per GPU")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps not timed")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--hf-attention", choices=("auto", "varlen", "sdpa"), default="auto")
+    parser.add_argument("--no-liger", action="store_true")
+    parser.add_argument(
+        "--log-te-backend", action="store_true", help="NVTE_DEBUG logs: TE's attention backend"
+    )
+    parser.add_argument(
+        "--thdpack-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for thdpack's runs (repeatable), "
+        "e.g. +model.config.recompute_granularity=selective (+: a Megatron key model=hf does not list)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a run's result from --work when the same job ran there already (a sweep in several calls)",
+    )
+    parser.add_argument(
+        "--hf-sync-each-microbatch",
+        action="store_true",
+        help="FSDP2 reduce-scatters after every micro-batch (less memory) instead of once per step",
+    )
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    parser.add_argument("--work", type=Path, default=REPO / "outputs" / "scale")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--label", help="in the report's name: scale-<label>_<device>_<date>")
+    parser.add_argument("--tag", help="device tag in the report's name (default: from the GPU)")
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE)
+    args = parser.parse_args(argv)
+    layouts = [parse_layout(t) for t in args.layouts.split(",")]
+    worlds = [int(n) for n in args.world_sizes.split(",")]
+    sides = args.sides.split(",")
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and args.hf_dir is None and args.shape not in CPU_SHAPES:
+        parser.error(f"--shape {args.shape} is for GPUs; on a CPU use one of {list(CPU_SHAPES)}")
+
+    hf_dir = args.hf_dir or make_model_dir(args)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if not on_gpu:
+        env["OMP_NUM_THREADS"] = "1"
+    budget = args.micro_batch_tokens
+    common = {
+        "hf_dir": str(hf_dir),
+        "steps": args.steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.95],
+        "clip_grad": 1.0,
+        "hf_attention": args.hf_attention,
+        "liger": not args.no_liger,
+        "hf_micro_batch_tokens": args.hf_micro_batch_tokens or budget,
+        "thdpack_overrides": args.thdpack_override,
+        "hf_sync_each_microbatch": args.hf_sync_each_microbatch,
+    }
+    runs_dir = args.work / "runs" / Path(hf_dir).name  # one folder a model: run names repeat across shapes
+    runs = []
+    for world in worlds:
+        dataset = dataset_config(
+            seq_length=args.seq_length,
+            global_batch_size=args.samples_per_gpu * world,
+            micro_batch_tokens=budget,
+            mix=args.mix,
+            seed=args.seed,
+        )
+        job = {**common, "dataset": dataset, "world_size": world}
+        if "thdpack" in sides:
+            for layout in layouts:
+                why = layout_fits(layout, world)
+                name = f"thdpack_{layout['name'].replace(':', '-')}_{world}"
+                print(f"== {name}", flush=True)
+                if why:
+                    result = {"status": f"skipped: {why}"}
+                else:
+                    run_env = env | (
+                        {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"} if args.log_te_backend else {}
+                    )
+                    thdpack_job = job | {"layout": layout}
+                    result = launch(
+                        "scale_thdpack.py", thdpack_job, runs_dir, name, args.timeout, run_env, args.reuse
+                    )
+                runs.append(
+                    summarize(
+                        {"side": "thdpack", "layout": layout["name"], "world_size": world} | result,
+                        args.warmup,
+                    )
+                )
+                _print_run(runs[-1])
+        if "hf" in sides:
+            name = f"hf_fsdp2_{world}"
+            print(f"== {name}", flush=True)
+            result = launch("scale_hf.py", job, runs_dir, name, args.timeout, env, args.reuse)
+            runs.append(
+                summarize({"side": "hf", "layout": "fsdp2", "world_size": world} | result, args.warmup)
+            )
+            _print_run(runs[-1])
+    add_scaling(runs)
+    rows = compare(runs)
+    device, tag = device_name(runs)
+    payload = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tag": args.tag or tag,
+        "device": device,
+        "versions": versions(),
+        "setup": {
+            "shape": args.hf_dir.name if args.hf_dir else args.shape,
+            "hf_dir": str(hf_dir),
+            "mix": args.mix,
+            "seq_length": args.seq_length,
+            "micro_batch_tokens": budget,
+            "hf_micro_batch_tokens": common["hf_micro_batch_tokens"],
+            "samples_per_gpu": args.samples_per_gpu,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "lr": args.lr,
+            "seed": args.seed,
+            "layouts": [layout["name"] for layout in layouts],
+            "world_sizes": worlds,
+            "thdpack_overrides": args.thdpack_override,
+            "smoke": args.smoke,
+            "weights": "the same Hugging Face directory on both sides; thdpack imports it with model=hf "
+            "model.pretrained=DIR (thdpack.hf)",
+        },
+        "headline": headline(runs, rows),
+        "comparison": rows,
+        "runs": runs,
+    }
+    return write_report(payload, args.out, args.label)
+
+
+def make_model_dir(args) -> Path:
+    """The shape's directory under ``--work``: a CPU shape here, a GPU shape in a child process on the GPU
+    (drawn
+    there fast, and the GPU's memory is free again for the workers)."""
+    out = args.work / "models" / f"{args.shape}_seed{args.seed}"
+    if args.shape in CPU_SHAPES:
+        return make_hf_dir(args.shape, args.seed, out)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import torch; from pathlib import Path; "
+        "from scale_job import make_hf_dir; "
+        "make_hf_dir(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), "
+        "'cuda' if torch.cuda.is_available() else 'cpu')"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(
+        [sys.executable, "-c", code, str(HERE), args.shape, str(args.seed), str(out)], check=True, env=env
+    )
+    return out
+
+
+def _print_run(run: dict) -> None:
+    if run["status"] != "ok":
+        print(f"   {run['status']}: {run.get('log', '')}", flush=True)
+        for line in run.get("log_tail", [])[-8:]:
+            print(f"   | {line}", flush=True)
+        return
+    print(
+        f"   {run['real_tokens_per_s_per_gpu']:,.0f} real tok/s per GPU, {run['step_time_s']:.3f} s/step, "
+        "peak "
+        f"{_fmt(run['peak_memory_gib_max'], '{:.1f}')} GiB, losses {[round(x, 5) for x in run['losses']]}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
