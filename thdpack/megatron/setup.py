@@ -180,9 +180,17 @@ def padded_vocab_size(model: Mapping, tokenizer_vocab: int, tp: int) -> int:
     return size
 
 
-def build_model(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime: Runtime):
+def build_model(
+    model: Mapping,
+    config,
+    vocab_size: int,
+    max_sequence_length: int,
+    runtime: Runtime,
+    grad_reduce_in_fp32: bool = True,
+):
     """This rank's ``GPTModel`` (bf16 through Megatron's ``Float16Module``) in Megatron's
-    ``DistributedDataParallel`` with fp32 gradient buffers, sharded for the distributed optimizer."""
+    ``DistributedDataParallel`` with fp32 gradient buffers (bf16 with ``grad_reduce_in_fp32=False``), sharded for
+    the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from .models import build_gpt_model
@@ -204,7 +212,9 @@ def build_model(model: Mapping, config, vocab_size: int, max_sequence_length: in
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(config, module)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=True
+    )
     return DistributedDataParallel(config, ddp_config, module)
 
 
@@ -213,6 +223,8 @@ def build_optimizer(trainer: Mapping, model, config):
     decay to ``min_lr`` over ``lr_decay_iters``; stepped once per iteration)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from .optimizer_precision import optimizer_precision_kwargs
 
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -226,6 +238,7 @@ def build_optimizer(trainer: Mapping, model, config):
             bf16=config.bf16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=True,
+            **optimizer_precision_kwargs(trainer),
         ),
         [model],
     )

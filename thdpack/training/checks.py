@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
+from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
 from thdpack.packing.layout import Alignment
 
@@ -122,8 +123,12 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
                 "dataset.pad_total_to (a fixed token bucket) or model.config.moe_token_dispatcher_type=alltoall"
             )
 
+    precision = trainer.get("precision", "auto")
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
     try:
         check_output_loss(model, parallel, device)
+        check_optimizer_precision(trainer, device, precision)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if backend == "te":

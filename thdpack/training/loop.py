@@ -124,6 +124,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron import setup
     from thdpack.megatron.batch import BatchConfig
     from thdpack.megatron.device_step import OptimizerStep
+    from thdpack.megatron.optimizer_precision import ddp_grad_reduce_in_fp32
     from thdpack.megatron.step import make_forward_step
 
     _setup_logging()
@@ -168,7 +169,9 @@ def setup_run(cfg: DictConfig) -> Run:
 
     config = setup.transformer_config(cfg.model, parallel, runtime)
     vocab_size = setup.padded_vocab_size(cfg.model, tokenizer.vocab_size, config.tensor_model_parallel_size)
-    model = setup.build_model(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
+    model = setup.build_model(
+        cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime, ddp_grad_reduce_in_fp32(trainer)
+    )
     optimizer, scheduler = setup.build_optimizer(trainer, model, config)
     optimizer_step = OptimizerStep(optimizer, runtime.device)
     if runtime.device == "cuda" and optimizer_step.host_read_reason:
