@@ -125,12 +125,22 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.batch import BatchConfig
     from thdpack.megatron.device_step import OptimizerStep
     from thdpack.megatron.optimizer_precision import ddp_grad_reduce_in_fp32
+    from thdpack.megatron.output_loss import resolve_output_loss
     from thdpack.megatron.step import make_forward_step
+
+    from .token_budget import fit_micro_batch_tokens
 
     _setup_logging()
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
     packed = bool(data_cfg.pack_sequences_in_batch)
     runtime = setup.resolve_runtime(cfg.model, trainer)
+    if data_cfg.get("micro_batch_tokens") == "fit":
+        data_cfg.micro_batch_tokens = fit_micro_batch_tokens(
+            cfg,
+            resolve_output_loss(cfg.model, runtime.device),
+            torch.cuda.get_device_properties(0).total_memory if runtime.device == "cuda" else None,
+        )
+        log.info("dataset.micro_batch_tokens=fit: %d tokens", data_cfg.micro_batch_tokens)
     for warning in check_recipe(
         cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device, backend=runtime.backend
     ):
