@@ -56,10 +56,10 @@ def check_optimizer_precision(trainer: Mapping, device: str, precision: str) -> 
             "trainer.use_precision_aware_optimizer=true needs a CUDA GPU: it runs Transformer Engine's FusedAdam "
             "(set it to false on CPU)"
         )
-    if precision != "bf16":
+    if precision not in ("bf16", "fp8"):
         raise ValueError(
             f"trainer.use_precision_aware_optimizer=true with trainer.precision={precision}: it keeps lower-precision "
-            "copies of bf16 weights; train in bf16"
+            "copies of bf16 weights; train in bf16 (or fp8)"
         )
     if importlib.util.find_spec("transformer_engine") is None:
         raise ValueError(

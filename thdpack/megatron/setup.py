@@ -36,16 +36,22 @@ MODEL_KEYS = (
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16" or "fp32") and the
-    attention ``backend`` ("te" or "torch")."""
+    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16", "fp32" or "fp8": bf16
+    weights and TE's FP8 GEMMs with ``fp8_recipe``, :mod:`thdpack.megatron.fp8`) and the attention ``backend``
+    ("te" or "torch")."""
 
     device: str
     precision: str
     backend: str
+    fp8_recipe: str | None = None
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision in ("bf16", "fp8")
 
     @property
     def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return torch.bfloat16 if self.bf16 else torch.float32
 
 
 def resolve_runtime(model: Mapping, trainer: Mapping) -> Runtime:
@@ -54,14 +60,14 @@ def resolve_runtime(model: Mapping, trainer: Mapping) -> Runtime:
     precision = trainer.get("precision", "auto")
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"
-    if precision not in ("bf16", "fp32"):
-        raise ValueError(f"trainer.precision is '{precision}': it must be auto, bf16 or fp32")
+    if precision not in ("bf16", "fp32", "fp8"):
+        raise ValueError(f"trainer.precision is '{precision}': it must be auto, bf16, fp32 or fp8")
     backend = model.get("attention_backend", "auto")
     if backend == "auto":
         backend = "te" if device == "cuda" else "torch"
     if backend not in ("te", "torch"):
         raise ValueError(f"model.attention_backend is '{backend}': it must be auto, te or torch")
-    return Runtime(device, precision, backend)
+    return Runtime(device, precision, backend, trainer.get("fp8_recipe") if precision == "fp8" else None)
 
 
 def init_distributed(parallel: Mapping, seed: int, runtime: Runtime) -> None:
@@ -107,6 +113,8 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .fp8 import fp8_config
+
     unknown = sorted(set(model) - set(MODEL_KEYS) - {"name"})
     if unknown:
         raise ValueError(f"model has unknown keys {unknown}: known keys are {list(MODEL_KEYS)}")
@@ -128,7 +136,7 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
         # megatron-core 0.16 accepts variable_seq_lengths only with this dispatcher, experts or not
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     on_cpu = runtime.device == "cpu"
-    bf16 = runtime.precision == "bf16"
+    bf16 = runtime.bf16
     gated = bool(kwargs.get("gated_linear_unit", False))
     fused = dict(
         # Megatron fuses the bias with gelu or swiglu (silu, gated) only
@@ -141,6 +149,7 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     )
     return TransformerConfig(
         **{**fused, **kwargs},
+        **fp8_config(runtime.precision, runtime.fp8_recipe),
         activation_func=_activation(activation),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -208,7 +217,7 @@ def build_model(
     use_output_loss(module, resolve_output_loss(model, runtime.device))
     if runtime.device == "cuda":
         module.cuda(torch.cuda.current_device())
-    if runtime.precision == "bf16":
+    if runtime.bf16:
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(config, module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
+from thdpack.megatron.fp8 import check_fp8
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
 from thdpack.packing.layout import Alignment
@@ -129,6 +130,7 @@ def check_recipe(cfg: Mapping, *, world_size: int, device: str, backend: str) ->
     try:
         check_output_loss(model, parallel, device)
         check_optimizer_precision(trainer, device, precision)
+        check_fp8(trainer, device, backend)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if backend == "te":
