@@ -206,7 +206,9 @@ class OptimizerStep:
         groups = [g for sub in self.subs if _is_te_fused_adam(_inner(sub)) for g in _inner(sub).param_groups]
         if not groups:
             return
-        loaded = {int(g["step"]) for g in groups if g["params"] and not torch.is_tensor(g.get("step", 0))}
+        loaded = {
+            int(g.get("step", 0)) for g in groups if g["params"] and not torch.is_tensor(g.get("step", 0))
+        }
         if len(loaded) > 1:
             raise RuntimeError(
                 f"the optimizer's param groups disagree on the Adam step count: {sorted(loaded)}"
