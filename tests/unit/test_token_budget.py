@@ -27,8 +27,9 @@ def test_setting_key_names_the_optimizer_state():
     assert setting_key(trainer) == "aware:fp32/fp32/bf16/bf16"
 
 
-def _cfg(seq_length=8192):
-    return {"model": {"name": "llama3_1b"}, "trainer": {}, "dataset": {"seq_length": seq_length}}
+def _cfg(seq_length=8192, packed=True):
+    dataset = {"seq_length": seq_length, "pack_sequences_in_batch": packed}
+    return {"model": {"name": "llama3_1b"}, "trainer": {}, "dataset": dataset}
 
 
 def test_fit_picks_the_measured_models_budget(monkeypatch):
@@ -56,3 +57,8 @@ def test_fit_below_one_sample_is_refused(monkeypatch):
 def test_fit_on_cpu_is_refused():
     with pytest.raises(ConfigError, match="give a number on CPU"):
         fit_micro_batch_tokens(_cfg(), "megatron", None)
+
+
+def test_fit_without_packing_is_refused():
+    with pytest.raises(ConfigError, match="fit needs dataset.pack_sequences_in_batch=true"):
+        fit_micro_batch_tokens(_cfg(packed=False), "chunked", 80 * GIB)

@@ -66,6 +66,11 @@ def fit_micro_batch_tokens(cfg: Mapping, output_loss: str, device_bytes: int | N
         raise ConfigError(
             "dataset.micro_batch_tokens=fit sizes the budget to a GPU's memory: give a number on CPU"
         )
+    if not cfg["dataset"].get("pack_sequences_in_batch", True):
+        raise ConfigError(
+            "dataset.micro_batch_tokens=fit needs dataset.pack_sequences_in_batch=true: the padded baseline batches "
+            "micro_batch_size samples (set micro_batch_tokens=null)"
+        )
     key = (cfg["model"].get("name"), output_loss, setting_key(cfg["trainer"]))
     model = MEASURED.get(key)
     if model is None:
