@@ -56,10 +56,26 @@ MODES = {
     "packed_samples": ["dataset.pack_sequences_in_batch=true", "dataset.micro_batch_tokens=null"],
     "packed_budget": [
         "dataset.pack_sequences_in_batch=true",
-        "dataset.micro_batch_tokens=auto",
+        "dataset.micro_batch_tokens={budget}",
         "dataset.pad_to=longest",
     ],
 }
+# The keys each mode sets: an extra override of one would change what the mode means.
+MODE_KEYS = ("dataset.pack_sequences_in_batch", "dataset.micro_batch_tokens", "dataset.pad_to")
+
+
+def run_overrides(common: list[str], mix: str, mode: str, budget: str, extra: list[str]) -> list[str]:
+    """One run's recipe overrides: the common ones, the length mix, the batching mode (``packed_budget`` at
+    ``budget`` tokens), then the command line's extra overrides, which win over all but the mode's own keys (an
+    extra override of those is refused: use ``--budget`` or ``--modes``)."""
+    for override in extra:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in MODE_KEYS:
+            raise SystemExit(
+                f"e2e: the extra override {override!r} sets a key each batching mode sets itself ({key}): give the "
+                "packed_budget token budget with --budget, and choose batchings with --modes"
+            )
+    return [*common, *MIXES[mix], *(o.format(budget=budget) for o in MODES[mode]), *extra]
 
 
 def run_one(overrides: list[str], run_dir: Path) -> dict:
@@ -134,6 +150,11 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="steady-state steps timed (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--budget",
+        default="auto",
+        help="packed_budget's dataset.micro_batch_tokens (auto = micro_batch_size x seq_length, fit, or a number)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", default=None, help="hardware tag in file names (default: from the GPU name)")
     parser.add_argument("--work", type=Path, default=Path("outputs/e2e"), help="run directories")
@@ -168,10 +189,9 @@ def main() -> None:
         "trainer.lr_warmup_iters=1",
         "trainer.progress_bar=false",
         f"trainer.profile_step={args.warmup + 2}",
-        *args.extra,
     ]
     with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=common)
+        cfg = compose("train", overrides=[*common, *args.extra])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = transformer_config(
         cfg.model, cfg.parallel, Runtime(device, "bf16" if device == "cuda" else "fp32", "torch")
@@ -185,7 +205,7 @@ def main() -> None:
         results[mix] = {}
         for mode in args.modes.split(","):
             run_dir = args.work / mix / mode
-            overrides = [*common, *MIXES[mix], *MODES[mode]]
+            overrides = run_overrides(common, mix, mode, args.budget, args.extra)
             print(f"== {mix} / {mode}: {' '.join(overrides)}", flush=True)
             result = run_one(overrides, run_dir)
             results[mix][mode] = measure(result, args.warmup)
@@ -288,6 +308,7 @@ def write_report(results: dict, args, gpu: str, tag: str, flops) -> None:
             "global_batch_size": args.global_batch_size,
             "steps": args.steps,
             "warmup": args.warmup,
+            "budget": args.budget,
             "extra": args.extra,
             "flops_model": {"gemm_params": flops.gemm_params, "attn_coeff": flops.attn_coeff},
         },

@@ -297,9 +297,11 @@ def register_varlen_attention() -> str:
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         batch, heads, length, dim = query.shape
-        q = query.transpose(1, 2).reshape(batch * length, heads, dim)
-        k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
-        v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
+        # flash kernels take fp16/bf16 only; under autocast transformers' fp32 RoPE hands q and k over in fp32
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else value.dtype
+        q = query.transpose(1, 2).reshape(batch * length, heads, dim).to(dtype)
+        k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim).to(dtype)
+        v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim).to(dtype)
         extra = dict(causal)
         if k.shape[1] != heads:
             if native_gqa:

@@ -161,3 +161,92 @@ def test_forcing_the_device_path_refuses_an_optimizer_it_cannot_gate():
     optimizer.optimizer.param_groups[0]["amsgrad"] = True
     with pytest.raises(ValueError, match="cannot be gated on the device: torch Adam with amsgrad"):
         OptimizerStep(optimizer, "cpu", gate_on_device=True)
+
+
+class _TEFusedAdamLike(torch.optim.Optimizer):
+    """The parts of Transformer Engine's FusedAdam the gated step uses (its class is looked up by module name):
+    fp32 moments created by ``initialize_state``, the step count in each param group, ``adam_w_mode``."""
+
+    __module__ = "transformer_engine.pytorch.optimizers.fused_adam"
+    adam_w_mode, master_weights, capturable = 1, False, False
+
+    def __init__(self, groups):
+        super().__init__(
+            groups,
+            {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "bias_correction": True},
+        )
+
+    def initialize_state(self, param, store_param_remainders):
+        self.state[param]["exp_avg"] = torch.zeros_like(param)
+        self.state[param]["exp_avg_sq"] = torch.zeros_like(param)
+
+
+_TEFusedAdamLike.__name__ = "FusedAdam"
+
+
+class _MegatronLike:
+    """A distributed optimizer's surface around one inner optimizer (its step copies nothing back)."""
+
+    def __init__(self, inner, clip_grad=1.0):
+        self.optimizer = inner
+        self.config = type("Config", (), {"clip_grad": clip_grad, "use_precision_aware_optimizer": False})()
+        self.grad_scaler = None
+
+    def prepare_grads(self):
+        return False
+
+    def get_parameters(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def get_grads_for_grad_norm(self):
+        return [p.grad for p in self.get_parameters()]
+
+    def get_grad_stats_parallel_group(self):
+        return None
+
+    def step_with_ready_grads(self):
+        self.optimizer.step()
+        return True
+
+
+def test_te_fused_adam_state_gets_one_device_step_count_for_all_groups_and_keeps_it_on_a_skip():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    inner = _TEFusedAdamLike([{"params": [a]}, {"params": [b], "weight_decay": 0.0}])
+    stepper = OptimizerStep(_MegatronLike(inner), "cpu", gate_on_device=True)
+    a.grad, b.grad = torch.full((4,), 0.1), torch.full((3,), 0.1)
+    stepper.step()
+    steps = [g["step"] for g in inner.param_groups]
+    assert (
+        steps[0] is steps[1] and steps[0].item() == 1.0
+    )  # one object: megatron-core's checkpoint reads one step
+    before = [a.detach().clone(), b.detach().clone(), inner.state[a]["exp_avg"].clone()]
+    a.grad = torch.full((4,), float("inf"))
+    assert stepper.step().skipped.item() == 1.0
+    assert steps[0].item() == 1.0
+    assert (
+        torch.equal(a, before[0])
+        and torch.equal(b, before[1])
+        and torch.equal(inner.state[a]["exp_avg"], before[2])
+    )
+
+
+def test_a_te_step_count_loaded_from_a_checkpoint_continues_from_there():
+    a = torch.nn.Parameter(torch.randn(4))
+    inner = _TEFusedAdamLike([{"params": [a]}])
+    stepper = OptimizerStep(_MegatronLike(inner), "cpu", gate_on_device=True)
+    a.grad = torch.ones(4)
+    stepper.step()
+    inner.param_groups[0]["step"] = 41  # what load_state_dict leaves: the checkpoint's int
+    stepper.step()
+    assert inner.param_groups[0]["step"].item() == 42.0
+
+
+def test_the_clip_coefficient_reaches_the_adam_kernel_as_its_gradient_scale():
+    a = torch.nn.Parameter(torch.ones(4))
+    inner = _TEFusedAdamLike([{"params": [a]}])
+    a.grad = torch.full((4,), 10.0)  # norm 20, clip_grad 1: coefficient 1 / (20 + 1e-6)
+    outcome = OptimizerStep(_MegatronLike(inner, clip_grad=1.0), "cpu", gate_on_device=True).step()
+    assert outcome.grad_norm.item() == pytest.approx(20.0)
+    # Adam's first moment after one step: (1 - beta1) x the clipped gradient
+    torch.testing.assert_close(inner.state[a]["exp_avg"], torch.full((4,), 0.1 * 10.0 / (20.0 + 1e-6)))

@@ -104,7 +104,7 @@ def test_hf_recipe_with_a_qwen2_5_vl_directory_resolves_to_the_vl_family_with_mr
 
 
 def test_the_recipe_may_train_the_vision_tower(tmp_path):
-    overrides = ("model=hf", f"model.pretrained={vl_directory(tmp_path)}", "+model.freeze_vision=false")
+    overrides = ("model=hf", f"model.pretrained={vl_directory(tmp_path)}", "model.freeze_vision=false")
     assert resolve_recipe(_compose(*overrides), device="cpu").model.freeze_vision is False
 
 

@@ -23,6 +23,11 @@ log = logging.getLogger("thdpack")
 
 
 def _build(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime):
+    if not model.get("freeze_vision", True):
+        raise ValueError(
+            f"model.freeze_vision=false trains a vision tower, but {model['pretrained']} is a text checkpoint "
+            "(no vision tower): leave model.freeze_vision at true"
+        )
     module = GPT.build(model, config, vocab_size, max_sequence_length, runtime)
     # Here, before the loop wraps the model (Float16Module, DDP) and the distributed optimizer takes its fp32
     # main parameters from it: weights loaded later would never reach those (tests/unit/test_hf_import.py).
@@ -35,5 +40,5 @@ HF = ModelFamily(
     name="hf",
     build=_build,
     forward=gpt_forward,
-    model_keys=(*GPT.model_keys, "pretrained", "rope_scaling"),
+    model_keys=(*GPT.model_keys, "pretrained", "rope_scaling", "freeze_vision"),
 )

@@ -354,7 +354,7 @@ def qwen2_config(config: Mapping) -> dict:
 def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
     """The recipe's model group of a Qwen2.5-VL checkpoint: the Qwen2 import's group of its language model
     (:func:`thdpack.hf.config.model_group`), with multimodal RoPE (``mrope_section``) and the Qwen2.5-VL family
-    (:data:`FAMILY`, :mod:`thdpack.hf.vlm_family`); ``freeze_vision`` true (``+model.freeze_vision=false`` trains
+    (:data:`FAMILY`, :mod:`thdpack.hf.vlm_family`); ``freeze_vision`` true (``model.freeze_vision=false`` trains
     the vision tower too)."""
     from .config import model_group as qwen2_model_group
 

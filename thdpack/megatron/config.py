@@ -54,8 +54,11 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
         persist_layer_norm=not on_cpu,
         apply_rope_fusion=runtime.backend == "te",
     )
+    from .fp8 import fp8_config
+
     return TransformerConfig(
         **{**fused, **kwargs},
+        **fp8_config(runtime.precision, runtime.fp8_recipe),
         activation_func=_activation(activation),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -64,7 +67,7 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
         sequence_parallel=sequence_parallel,
         calculate_per_token_loss=True,
         variable_seq_lengths=pp > 1,
-        bf16=runtime.precision == "bf16",
+        bf16=runtime.bf16,
         params_dtype=runtime.params_dtype,
         pipeline_dtype=runtime.params_dtype,
         use_cpu_initialization=on_cpu,

@@ -89,7 +89,7 @@ __all__ = [
     "destroy_model_parallel_cpu",
 ]
 
-CHECKED_MCORE_VERSIONS: tuple[str, ...] = ("0.16.1",)
+CHECKED_MCORE_VERSIONS: tuple[str, ...] = ("0.16.1", "0.19.2")
 """megatron-core versions the patches were run against (tests/unit/test_cpu_support.py, tests/functional/test_cpu_parallel.py)."""
 
 ALLOW_UNKNOWN_MCORE_ENV = "THDPACK_CPU_ALLOW_UNKNOWN_MCORE"

@@ -5,7 +5,7 @@ megatron-core's ``optimizer.step()`` reads the global gradient norm back to the 
 a step, which stalls the GPU until the step's backward has finished. :class:`OptimizerStep` keeps all three on
 the device:
 
-- the norm: squared per-tensor norms of the gradients Megatron counts (``get_main_grads_for_grad_norm``: no
+- the norm: squared per-tensor norms of the gradients Megatron counts (``get_grads_for_grad_norm``: no
   shared or tensor-parallel-duplicate parameter), summed and all-reduced over the optimizer's
   ``get_grad_stats_parallel_group()`` (the whole distributed-optimizer instance), as Megatron does;
 - the clipping: the coefficient ``clamp(clip_grad / (norm + 1e-6), max=1)`` multiplied into the gradients
@@ -110,11 +110,11 @@ class OptimizerStep:
         """The global L2 norm of the gradients Megatron counts, all-reduced, as a 0-dim fp32 device tensor."""
         groups = [sub.get_grad_stats_parallel_group() for sub in self.subs]
         if all(group == groups[0] for group in groups):
-            grads = [g for sub in self.subs for g in sub.get_main_grads_for_grad_norm()]
+            grads = [g for sub in self.subs for g in _grads_for_norm(sub)]
             return self._squared_norm(grads, groups[0] if groups else None).sqrt()
         # ChainedOptimizer with different statistics groups (megatron-core: sqrt of the summed squares)
         squares = [
-            self._squared_norm(sub.get_main_grads_for_grad_norm(), group)
+            self._squared_norm(_grads_for_norm(sub), group)
             for sub, group in zip(self.subs, groups, strict=True)
         ]
         return torch.stack(squares).sum().sqrt()
@@ -223,6 +223,13 @@ class OptimizerStep:
 
 def _inner(sub):
     return getattr(sub, "optimizer", None)
+
+
+def _grads_for_norm(sub) -> list[torch.Tensor]:
+    """The gradients Megatron's norm counts: ``get_main_grads_for_grad_norm`` in megatron-core 0.16, renamed
+    ``get_grads_for_grad_norm`` by 0.19 (which also leaves out multi-token-prediction parameters, clipped apart)."""
+    method = getattr(sub, "get_grads_for_grad_norm", None) or sub.get_main_grads_for_grad_norm
+    return method()
 
 
 def _is_te_fused_adam(inner) -> bool:

@@ -9,7 +9,7 @@ from .runtime import Runtime
 __all__ = ["wrap_model"]
 
 
-def wrap_model(module, config, runtime: Runtime):
+def wrap_model(module, config, runtime: Runtime, grad_reduce_in_fp32: bool = True):
     """``module`` (this rank's stage of the model) on the runtime's device, in bf16 through Megatron's
     ``Float16Module`` when ``runtime.precision`` says so, inside Megatron's ``DistributedDataParallel`` with fp32
     gradient buffers, sharded for the distributed optimizer."""
@@ -17,9 +17,11 @@ def wrap_model(module, config, runtime: Runtime):
 
     if runtime.device == "cuda":
         module.cuda(torch.cuda.current_device())
-    if runtime.precision == "bf16":
+    if runtime.bf16:
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(config, module)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=True
+    )
     return DistributedDataParallel(config, ddp_config, module)

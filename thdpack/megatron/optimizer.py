@@ -18,6 +18,8 @@ def build_optimizer(trainer: Mapping, model, config):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from .optimizer_precision import optimizer_precision_kwargs
+
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -30,6 +32,7 @@ def build_optimizer(trainer: Mapping, model, config):
             bf16=config.bf16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=True,
+            **optimizer_precision_kwargs(trainer),
         ),
         [model],
     )

@@ -48,8 +48,12 @@ OUTPUT_LOSSES = ("megatron", "chunked", "liger")
 
 
 def default_chunk_tokens(vocab_per_rank: int) -> int:
-    """Tokens a chunk: its fp32 logits about 512 MiB (1,046 tokens at 128,256 vocabulary), at least 128."""
-    return max(128, (1 << 27) // max(1, vocab_per_rank))
+    """Tokens a chunk: its bf16 logits about 1 GiB (4,096 tokens at 128,256 vocabulary), a multiple of 256.
+
+    Each chunk reads and writes the fp32 weight-gradient accumulator (``[v, h]``) once, so fewer, larger chunks pay:
+    on one H100 at 32,768 tokens x 128,256 x 2048, 4,096-token chunks took 101 ms and 4.0 GiB, 1,024-token ones
+    111 ms and 2.7 GiB (``benchmarks/results/output_loss_h100_2026-11-25.md``)."""
+    return max(256, (1 << 29) // max(1, vocab_per_rank) // 256 * 256)
 
 
 def linear_cross_entropy(

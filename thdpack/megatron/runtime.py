@@ -13,40 +13,49 @@ import torch.distributed as dist
 
 __all__ = ["PRECISIONS", "Runtime", "init_distributed", "resolve_runtime"]
 
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "fp8")
 BACKENDS = ("te", "torch")
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16" or "fp32") and the
-    attention ``backend`` ("te" or "torch")."""
+    """Where this process runs: ``device`` ("cuda" or "cpu"), ``precision`` ("bf16", "fp32" or "fp8": bf16
+    weights and TE's FP8 GEMMs with ``fp8_recipe``, :mod:`thdpack.megatron.fp8`) and the attention ``backend``
+    ("te" or "torch")."""
 
     device: str
     precision: str
     backend: str
+    fp8_recipe: str | None = None
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 weights (Megatron's ``Float16Module``): bf16 and fp8 runs."""
+        return self.precision in ("bf16", "fp8")
 
     @property
     def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return torch.bfloat16 if self.bf16 else torch.float32
 
 
-def resolve_runtime(precision: str = "auto", backend: str = "auto", device: str | None = None) -> Runtime:
+def resolve_runtime(
+    precision: str = "auto", backend: str = "auto", device: str | None = None, fp8_recipe: str | None = None
+) -> Runtime:
     """``auto`` settings made concrete: bf16 and TE on CUDA; fp32 and torch on CPU.
 
     ``precision`` is the recipe's ``trainer.precision``, ``backend`` its ``model.attention_backend``; ``device``
-    defaults to CUDA when a GPU is visible, else CPU."""
+    defaults to CUDA when a GPU is visible, else CPU; ``fp8_recipe`` is ``trainer.fp8_recipe`` (fp8 only)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"
     if precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision is '{precision}': it must be auto, bf16 or fp32")
+        raise ValueError(f"trainer.precision is '{precision}': it must be auto, bf16, fp32 or fp8")
     if backend == "auto":
         backend = "te" if device == "cuda" else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"model.attention_backend is '{backend}': it must be auto, te or torch")
-    return Runtime(device, precision, backend)
+    return Runtime(device, precision, backend, fp8_recipe if precision == "fp8" else None)
 
 
 def init_distributed(

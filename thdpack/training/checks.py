@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
 from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
+from thdpack.megatron.fp8 import check_fp8
+from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
 
 from .config_error import ConfigError
@@ -150,6 +152,8 @@ def check_recipe(
 
     try:
         check_output_loss(model, parallel, device)
+        check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
+        check_fp8(cfg["trainer"], device, backend)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if backend == "te":

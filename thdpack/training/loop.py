@@ -138,6 +138,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.families import get_family
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.optimizer import build_optimizer
+    from thdpack.megatron.optimizer_precision import ddp_grad_reduce_in_fp32
     from thdpack.megatron.runtime import init_distributed, resolve_runtime
     from thdpack.megatron.step import StepConfig, make_forward_step
 
@@ -145,7 +146,9 @@ def setup_run(cfg: DictConfig) -> Run:
     cfg = resolve_recipe(cfg)
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
     packed = bool(data_cfg.pack_sequences_in_batch)
-    runtime = resolve_runtime(trainer.precision, cfg.model.attention_backend)
+    runtime = resolve_runtime(
+        trainer.precision, cfg.model.attention_backend, fp8_recipe=trainer.get("fp8_recipe")
+    )
     for warning in check_recipe(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device):
         log.warning(warning)
     family = get_family(cfg.model.family)
@@ -201,7 +204,7 @@ def setup_run(cfg: DictConfig) -> Run:
         cfg.checkpoint.dir, vocab_size, tp, cfg.model.get("vocab_size") is not None
     )
     module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
-    model = wrap_model(module, config, runtime)
+    model = wrap_model(module, config, runtime, ddp_grad_reduce_in_fp32(trainer))
     optimizer, scheduler = build_optimizer(trainer, model, config)
     optimizer_step = OptimizerStep(optimizer, runtime.device)
     if runtime.device == "cuda" and optimizer_step.host_read_reason:

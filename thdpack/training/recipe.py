@@ -12,10 +12,12 @@ import copy
 from omegaconf import DictConfig, open_dict
 
 from thdpack.data.loader import micro_batch_tokens
+from thdpack.megatron.output_loss import resolve_output_loss
 from thdpack.megatron.runtime import resolve_runtime
 
 from .config_error import ConfigError
 from .recipe_keys import check_keys, recipes_dir
+from .token_budget import fit_micro_batch_tokens
 
 __all__ = ["resolve_recipe"]
 
@@ -30,18 +32,23 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
       (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family (a Qwen2.5-VL directory: the
       vision-language family, :mod:`thdpack.hf.vlm_family`), expanded first: every setting below reads it;
-    - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`);
+    - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`; ``fit``:
+      :func:`thdpack.training.token_budget.fit_micro_batch_tokens` for this GPU);
     - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
 
     Raises :class:`~thdpack.training.checks.ConfigError` for a key that is not a recipe key (named with the
     closest one: :func:`thdpack.training.recipe_keys.check_keys`) and for a value that has no meaning.
     """
     check_keys(cfg, recipes_dir())
+    fit = cfg.dataset.get("micro_batch_tokens") == "fit"
     try:
         runtime = resolve_runtime(
-            cfg.trainer.get("precision", "auto"), cfg.model.get("attention_backend", "auto"), device
+            cfg.trainer.get("precision", "auto"),
+            cfg.model.get("attention_backend", "auto"),
+            device,
+            cfg.trainer.get("fp8_recipe"),
         )
-        budget = micro_batch_tokens(cfg.dataset)
+        budget = None if fit else micro_batch_tokens(cfg.dataset)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     out = copy.deepcopy(cfg)
@@ -60,6 +67,18 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.trainer.precision = runtime.precision
         out.model.attention_backend = runtime.backend
         out.model.family = out.model.get("family", "gpt")
+        if (
+            fit
+        ):  # the largest budget the measured memory model fits on this GPU (thdpack.training.token_budget)
+            budget = fit_micro_batch_tokens(
+                out, resolve_output_loss(out.model, runtime.device), _device_bytes(runtime.device)
+            )
         out.dataset.micro_batch_tokens = budget
         out.dataset.mrope = out.model.get("position_embedding_type") == "mrope"
     return out
+
+
+def _device_bytes(device: str) -> int | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None

@@ -1,0 +1,60 @@
+"""``trainer.precision: fp8``: bf16 weights and Transformer Engine's FP8 GEMMs in the transformer layers.
+
+megatron-core runs each transformer layer under TE's ``fp8_autocast`` when ``TransformerConfig.fp8`` is set
+(``hybrid``: E4M3 forward, E5M2 gradients) with the scaling recipe of ``fp8_recipe``; the embedding and the output
+layer stay bf16, the weights stay bf16 parameters (TE casts them per GEMM), the optimizer is unchanged.
+
+Recipes on Hopper (TE 2.x, megatron-core's ``Fp8Recipe``): ``delayed`` (per-tensor scales from an amax history),
+``tensorwise`` (per-tensor current scaling, TE >= 2.2) and ``blockwise`` (1x128 / 128x128 block scales, TE >= 2.3).
+``mxfp8`` needs Blackwell. FP8 GEMMs need a token dimension that is a multiple of 16 on every GEMM rank (32 for
+MXFP8); the packer pads each packed row for it after context and sequence parallelism have split it
+(``thdpack.packing.layout.Alignment.total_multiple``).
+
+Recipe keys: ``trainer.precision: fp8`` and ``trainer.fp8_recipe`` (delayed | tensorwise | blockwise | mxfp8).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+
+__all__ = ["FP8_RECIPES", "check_fp8", "fp8_config"]
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def fp8_config(precision: str, recipe: str | None) -> dict:
+    """The ``TransformerConfig`` fields for ``precision`` (empty unless fp8)."""
+    if precision != "fp8":
+        return {}
+    return {"fp8": "hybrid", "fp8_recipe": recipe or "tensorwise"}
+
+
+def check_fp8(trainer: Mapping, device: str, backend: str) -> None:
+    """Refuse, naming the key, an FP8 recipe this device, backend or Transformer Engine cannot run."""
+    recipe = trainer.get("fp8_recipe", "tensorwise")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"trainer.fp8_recipe is {recipe!r}: it must be one of {list(FP8_RECIPES)}")
+    if trainer.get("precision", "auto") != "fp8":
+        return
+    if device != "cuda":
+        raise ValueError(
+            "trainer.precision=fp8 needs a CUDA GPU (Transformer Engine's FP8 GEMMs): use bf16 or fp32"
+        )
+    if backend != "te" or importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            "trainer.precision=fp8 runs Transformer Engine's layers: it needs model.attention_backend=te (or auto) "
+            "and Transformer Engine installed"
+        )
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"trainer.precision=fp8 needs FP8 tensor cores (Ada/Hopper or newer); this GPU is sm_{major}{minor}"
+        )
+    if recipe == "mxfp8" and major < 10:
+        raise ValueError(
+            f"trainer.fp8_recipe=mxfp8 needs a Blackwell GPU (sm_100); this one is sm_{major}{minor}: use tensorwise, "
+            "delayed or blockwise"
+        )
