@@ -228,14 +228,14 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     if cuda:
         torch.cuda.empty_cache()
 
-    reports, _, _ = train_step(run, batches)  # the first step's forward runs on the imported weights
+    reports, _ = train_step(run, batches)  # the first step's forward runs on the imported weights
     first = [[float(x) for x in r[LM_LOSS.key]] for r in reports]
     thd_loss = sum(s for s, _ in first) / sum(c for _, c in first)
     hf_loss = sum(reference["sums"]) / sum(reference["counts"])
     losses = [float(LM_LOSS.reduce(reports))]
     step_started = time.perf_counter()
     for _ in range(args.steps - 1):
-        reports, _, _ = train_step(run, run.data.next_step())
+        reports, _ = train_step(run, run.data.next_step())
         losses.append(float(LM_LOSS.reduce(reports)))
     train_s = time.perf_counter() - step_started
 

@@ -44,7 +44,7 @@ def _losses(precision: list[str], steps: int = 4) -> list[float]:
         scalars = DeferredScalars("cuda", lag=0)
         for step in range(1, steps + 1):
             reports, outcome = train_step(run, run.data.next_step())
-            scalars.push(step, step_scalars(reports, outcome, with_loss=True))
+            scalars.push(step, step_scalars(reports, outcome, True, run.step.loss))
         return [dict(zip(STEP_SCALARS, values, strict=True))["loss"] for _, values, _ in scalars.drain()]
     finally:
         _shutdown()

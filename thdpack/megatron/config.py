@@ -56,9 +56,13 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     )
     from .fp8 import fp8_config
 
+    # trainer.precision=fp8 (model.config.fp8 / fp8_recipe, Megatron's own keys, win where given); an fp8 run's
+    # model rebuilt on CPU (python -m thdpack.export) has its bf16 weights and no FP8 GEMM
+    precision = runtime.precision if runtime.device == "cuda" else "bf16"
+    fp8 = {k: v for k, v in fp8_config(precision, runtime.fp8_recipe).items() if k not in kwargs}
     return TransformerConfig(
         **{**fused, **kwargs},
-        **fp8_config(runtime.precision, runtime.fp8_recipe),
+        **fp8,
         activation_func=_activation(activation),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

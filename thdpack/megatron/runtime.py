@@ -74,7 +74,16 @@ def init_distributed(
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if (
+        "TORCHELASTIC_RUN_ID" in os.environ
+        or "MASTER_PORT" not in os.environ
+        or os.environ["WORLD_SIZE"] != "1"
+    ):
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    else:
+        # One process started without torchrun: a port of its own, not one a process before it (the same test
+        # session, a parent that trained in-process) left in the environment and may still hold
+        os.environ["MASTER_PORT"] = str(_free_port())
     sizes = dict(
         tensor_model_parallel_size=int(tensor_model_parallel_size),
         pipeline_model_parallel_size=int(pipeline_model_parallel_size),

@@ -30,6 +30,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from thdpack.megatron.output_loss import default_chunk_tokens, resolve_output_loss
+
 from .config_error import ConfigError
 
 __all__ = ["MARGIN", "MemoryEstimate", "check_memory", "estimate_memory", "parameter_count"]
@@ -164,8 +166,8 @@ def estimate_memory(cfg: Mapping, *, world_size: int, device: str, backend: str)
     params = dense + experts
 
     precision = precision_of(cfg["trainer"], device)
-    weight_bytes = 2 if precision == "bf16" else 4
-    state_bytes = 12 if precision == "bf16" else 8  # (fp32 main weights +) Adam's two moments
+    weight_bytes = 2 if precision in ("bf16", "fp8") else 4  # fp8: bf16 weights, FP8 only inside the GEMMs
+    state_bytes = 12 if weight_bytes == 2 else 8  # (fp32 main weights +) Adam's two moments
     optimizer = state_bytes * (dense / dp + experts / expert_dp)
 
     tokens = _micro_batch_tokens(dataset)
@@ -188,9 +190,12 @@ def estimate_memory(cfg: Mapping, *, world_size: int, device: str, backend: str)
     in_flight = min(pp, num_micro) if pp > 1 else 1
     unfused = 1.0 if backend == "te" else UNFUSED_FACTOR
     activations = unfused * tokens / cp * layers * in_flight * per_token_layer * weight_bytes
-    logits = (
-        unfused * tokens / cp * vocab / tp * (weight_bytes + 8)
-    )  # the logits, their fp32 copy, its gradient
+    # the logits, their fp32 copy, its gradient: of every token with Megatron's output loss, of one chunk of
+    # tokens with the fused ones (thdpack.megatron.output_loss never keeps a [tokens, vocab] tensor)
+    logit_rows = tokens / cp
+    if resolve_output_loss(model, device) != "megatron":
+        logit_rows = min(logit_rows, default_chunk_tokens(vocab // tp))
+    logits = unfused * logit_rows * vocab / tp * (weight_bytes + 8)
     return MemoryEstimate(
         parameters=int(params),
         weights=params * weight_bytes,
