@@ -185,8 +185,8 @@ def megatron_model(
     fp32, not wrapped. ``vocab_size``: the model's vocabulary instead of the recipe's (to force padding rows)."""
     from megatron.core import parallel_state as ps
 
-    from thdpack.hf.config import pretrained_model_group
     from thdpack.hf.family import HF
+    from thdpack.hf.pretrained import pretrained_model_group
     from thdpack.megatron.config import transformer_config
     from thdpack.megatron.runtime import Runtime
 

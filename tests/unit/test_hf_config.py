@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from thdpack.hf.config import HFConfigError, model_group, pretrained_model_group, read_hf_config
+from thdpack.hf.config import HFConfigError, model_group, read_hf_config
+from thdpack.hf.pretrained import pretrained_model_group
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

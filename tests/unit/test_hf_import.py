@@ -221,8 +221,8 @@ def test_bf16_weights_must_load_before_the_distributed_optimizer_copies_them(hf_
     """Megatron's distributed optimizer takes its fp32 main parameters from the bf16 model at construction:
     weights loaded later never reach them (and the first update would bring the random ones back). The hf
     family loads inside its build, before the loop wraps the model and builds the optimizer."""
-    from thdpack.hf.config import pretrained_model_group
     from thdpack.hf.load import load_pretrained
+    from thdpack.hf.pretrained import pretrained_model_group
     from thdpack.megatron.config import transformer_config
     from thdpack.megatron.distributed import wrap_model
     from thdpack.megatron.families import GPT

@@ -99,7 +99,7 @@ def test_patches_that_do_not_match_the_grids_are_refused():
 def test_the_vl_family_builds_the_checkpoints_model_and_owns_its_loading(directory):
     """The registry resolves the group's family to the vision-language one: its build loads the checkpoint
     itself (the hf family's text loader would refuse the vision tensors)."""
-    from thdpack.hf.config import pretrained_model_group
+    from thdpack.hf.pretrained import pretrained_model_group
     from thdpack.megatron.families import get_family
 
     family = get_family(

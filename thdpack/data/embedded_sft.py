@@ -17,7 +17,7 @@ directory's tokenizer, thdpack's ``<|role|>`` tags with the byte tokenizer; the 
 Built once (the pairs, tokenized) and cached under ``$THDPACK_CACHE`` like ``embedded``, keyed by the builder
 version, the Python version, the tokenizer and every file's content.
 
-Lengths on CPython 3.11.7 (``python -m thdpack.data.embedded_sft``; ``--tokenizer DIR`` for a model directory;
+Lengths on CPython 3.11.7 (``python benchmarks/embedded_sft_stats.py``; ``--tokenizer DIR`` for a model directory;
 build times on a shared 2-core machine under load), byte tokenizer::
 
     samples 5692, tokens 4259652, mean length 748.4
@@ -47,9 +47,7 @@ a 1,024-token byte-level BPE with the Qwen2.5 chat template (tests/hf_tokenizers
 
 from __future__ import annotations
 
-import argparse
 import ast
-import sys
 import textwrap
 import time
 
@@ -57,8 +55,8 @@ import numpy as np
 
 from .cache import write_entry
 from .embedded import cache_entry, read_stdlib
-from .jsonl import tokenize_record
-from .samples import Sample, format_length_stats, length_stats
+from .jsonl_records import tokenize_record
+from .samples import Sample, length_stats
 from .tokenizer import ByteTokenizer
 
 __all__ = ["EmbeddedSFTDataset", "function_pairs"]
@@ -207,36 +205,3 @@ class EmbeddedSFTDataset:
     def length_stats(self) -> dict:
         """:func:`~thdpack.data.samples.length_stats` of the pair lengths."""
         return length_stats(self.lengths)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Build (or load) the embedded SFT pairs and print their lengths."
-    )
-    parser.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json or a model directory")
-    parser.add_argument("--max-files", type=int, default=None)
-    parser.add_argument("--rebuild", action="store_true", help="build even if cached")
-    parser.add_argument("--show", type=int, default=0, help="print the first SHOW pairs' text")
-    args = parser.parse_args(argv)
-    # A command line, like thdpack/train.py: it may resolve a model directory through thdpack.hf (the dataset
-    # itself takes any tokenizer object and imports nothing above thdpack.data).
-    from thdpack.hf.tokenizer import resolve_tokenizer
-
-    tokenizer = resolve_tokenizer(args.tokenizer)
-    data = EmbeddedSFTDataset(tokenizer, max_files=args.max_files, rebuild=args.rebuild)
-    print(
-        f"Python {sys.version.split()[0]}, {len(data.files)} files, {len(data.skipped_files)} skipped, {tokenizer.name}"
-    )
-    print(f"cache: {data.cache_path}")
-    if data.build_seconds:
-        print(f"built in {data.build_seconds:.2f} s")
-    print(format_length_stats(data.length_stats()))
-    print(f"targets: {int(sum(s.num_targets for s in (data[i] for i in range(len(data)))))} tokens")
-    for i in range(args.show):
-        sample = data[i]
-        print(f"--- {sample.source}\n[prompt] {tokenizer.decode(sample.tokens[~sample.target_mask])}")
-        print(f"[target] {tokenizer.decode(sample.tokens[sample.target_mask])}")
-
-
-if __name__ == "__main__":
-    main()

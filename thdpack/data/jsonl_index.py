@@ -2,8 +2,8 @@
 asked, tokenized) before training starts, every bad line reported with file:line, the result cached.
 
 What the pass does, per non-blank line: ``json.loads``, then the rows' check (:class:`LineRules`; for
-:mod:`thdpack.data.jsonl`'s rows, :func:`~thdpack.data.jsonl.check_record`: the keys, their types, the ids' range);
-with ``tokenize`` also their tokenization (:func:`~thdpack.data.jsonl.tokenize_record`, the chat template too),
+:mod:`thdpack.data.jsonl`'s rows, :func:`~thdpack.data.jsonl_records.check_record`: the keys, their types, the ids' range);
+with ``tokenize`` also their tokenization (:func:`~thdpack.data.jsonl_records.tokenize_record`, the chat template too),
 which gives every sample's length and catches what only tokenizing can (a template that cannot render a row, a
 text of one token). Image chat rows (:mod:`thdpack.data.vlm`) bring their own rules. Bad lines are collected, not raised one by one: the error quotes the first
 ``max_errors`` (each ``file:line: what: rule``) and counts them all.
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from .cache import cache_root
-from .jsonl import check_record, tokenize_record
+from .jsonl_records import check_record, tokenize_record
 
 __all__ = [
     "AUTO_TOKENIZE_CHAT_LINES",

@@ -26,7 +26,6 @@ __all__ = [
     "ARCHITECTURES",
     "HFConfigError",
     "model_group",
-    "pretrained_model_group",
     "read_hf_config",
     "rope_settings",
 ]
@@ -90,7 +89,12 @@ ARCHITECTURE_KEYS = frozenset({
 # fmt: on
 # The model family (thdpack.megatron.families) that builds a pretrained model and loads its weights.
 HF_FAMILY = "thdpack.hf.family:HF"
-_TOP_LEVEL = ("position_embedding_type", "rotary_base", "vocab_size", "share_embeddings_and_output_weights")
+TOP_LEVEL_KEYS = (
+    "position_embedding_type",
+    "rotary_base",
+    "vocab_size",
+    "share_embeddings_and_output_weights",
+)
 
 
 class HFConfigError(ValueError):
@@ -352,51 +356,3 @@ def _moe(r: _Reader) -> dict[str, Any]:
         "moe_router_dtype": "fp32",  # transformers' router softmax runs in fp32
         "moe_token_dispatcher_type": "alltoall",  # packed rows differ in length from rank to rank
     }
-
-
-def pretrained_model_group(recipe_model: Mapping[str, Any], *, seq_length: int, tp: int) -> dict[str, Any]:
-    """The recipe's ``model`` group with ``pretrained`` set, made concrete: :func:`model_group` of its
-    ``config.json`` (:func:`thdpack.hf.qwen2_5_vl.model_group` for a ``Qwen2_5_VLForConditionalGeneration``),
-    with the recipe's own settings on top (dropout, initialisation, recompute, the MoE dispatcher...). A recipe
-    setting that contradicts config.json on the architecture is an error."""
-    directory = recipe_model["pretrained"]
-    hf = read_hf_config(directory)
-    group = _group_builder(hf)(hf, seq_length=seq_length, tp=tp)
-    family = group.get("family", HF_FAMILY)
-    recipe = {k: v for k, v in dict(recipe_model).items()}
-    overrides = {k: v for k, v in dict(recipe.pop("config", None) or {}).items() if v is not None}
-    for key, value in overrides.items():
-        if key in ARCHITECTURE_KEYS and key in group["config"] and value != group["config"][key]:
-            raise HFConfigError(
-                f"model.config.{key}={value!r} contradicts {hf['_path']} ({group['config'][key]!r}): the "
-                "checkpoint's weights fix the architecture; remove the override"
-            )
-        group["config"][key] = value
-    for key in _TOP_LEVEL:
-        if recipe.get(key) is not None and recipe[key] != group[key]:
-            raise HFConfigError(
-                f"model.{key}={recipe[key]!r} contradicts {hf['_path']} ({group[key]!r}): remove the override"
-            )
-        recipe.pop(key, None)
-    recipe.pop("name", None)
-    named = recipe.pop("family", None)
-    if named not in (None, "gpt", HF_FAMILY, family):
-        raise HFConfigError(
-            f"model.family is '{named}' but model.pretrained is set: {hf['_path']} is built by the '{family}' "
-            "family (leave model.family unset)"
-        )
-    return {**group, **recipe, "family": family, "pretrained": str(directory)}
-
-
-def _group_builder(hf: Mapping[str, Any]):
-    """The model-group function of a ``config.json``: a vision-language checkpoint's
-    (:func:`thdpack.hf.qwen2_5_vl.model_group`, family :data:`thdpack.hf.qwen2_5_vl.FAMILY`), else
-    :func:`model_group` (the ``hf`` family, :data:`HF_FAMILY`)."""
-    from .qwen2_5_vl import ARCHITECTURES as VL_ARCHITECTURES
-
-    architectures = hf.get("architectures")
-    if isinstance(architectures, list) and set(architectures) & set(VL_ARCHITECTURES):
-        from .qwen2_5_vl import model_group as vl_model_group
-
-        return vl_model_group
-    return model_group

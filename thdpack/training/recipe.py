@@ -54,7 +54,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     out = copy.deepcopy(cfg)
     with open_dict(out):
         if cfg.model.get("pretrained"):  # model=hf: the checkpoint's config.json decides the architecture
-            from thdpack.hf.config import HFConfigError, pretrained_model_group
+            from thdpack.hf.config import HFConfigError
+            from thdpack.hf.pretrained import pretrained_model_group
 
             try:
                 out.model = pretrained_model_group(
