@@ -29,7 +29,7 @@ def leaves(tree: dict, path=()):
 def test_help_lists_every_option_of_every_group_with_its_header_comment():
     text = recipe_help()
     assert (
-        "model=tiny_gpt | llama3_1b | llama3_8b | qwen2_5_vl_7b | qwen3_30b_a3b | tiny_moe | tiny_mrope"
+        "model=tiny_gpt | hf | llama3_1b | llama3_8b | qwen2_5_vl_7b | qwen3_30b_a3b | tiny_moe | tiny_mrope"
         in text
     )
     assert "  tp2      Tensor parallel 2 with sequence parallelism." in text
