@@ -225,3 +225,23 @@ def test_a_checkpoint_tensor_without_hf_counterpart_stops_the_export_naming_it(t
         ValueError, match=r"tensor 'decoder\.layers\.0\.mlp\.router\.expert_bias' has no Hugging"
     ):
         checkpoint_hf_tensors(target, tmp_path / "hf")
+
+
+def test_stacked_entries_count_when_whole_are_skipped_when_absent_and_refused_when_partial():
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Chunk
+
+    from thdpack.hf.dist_checkpoint import whole_entries
+
+    # layers stacked on dim 0 of a [3, 4, 2] tensor: layer 0 in two tensor-parallel halves, layer 2 whole,
+    # layer 1 absent (a layer of another kind)
+    halves = [
+        Chunk(torch.Size([0, 0, 0]), torch.Size([1, 2, 2])),
+        Chunk(torch.Size([0, 2, 0]), torch.Size([1, 2, 2])),
+    ]
+    whole = Chunk(torch.Size([2, 0, 0]), torch.Size([1, 4, 2]))
+    meta = SimpleNamespace(size=torch.Size([3, 4, 2]), chunks=[*halves, whole])
+    assert whole_entries("k", meta, 1, "ckpt") == [(0,), (2,)]
+    with pytest.raises(ValueError, match=r"ckpt: 'k' holds only part of entry \(0,\) .* 4 of 8 elements"):
+        whole_entries("k", SimpleNamespace(size=meta.size, chunks=[halves[0], whole]), 1, "ckpt")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["checkpoint_tensors", "model_tensor_keys", "unstacked_name"]
+__all__ = ["checkpoint_tensors", "model_tensor_keys", "unstacked_name", "whole_entries"]
 
 _LAYERS = "decoder.layers."
 _STACKED_EXPERTS = "mlp.experts.experts."
@@ -94,7 +94,7 @@ def model_tensor_keys(directory: str | Path) -> dict[str, object]:
     }
 
 
-def _present(key: str, meta, depth: int, directory: Path) -> list[tuple[int, ...]]:
+def whole_entries(key: str, meta, depth: int, directory: str | Path) -> list[tuple[int, ...]]:
     """The entries along the ``depth`` stacked axes that the checkpoint holds whole (layers of another kind are
     absent from a stacked key); one held in part is an error."""
     inner = prod(meta.size[depth:])
@@ -137,6 +137,6 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         axes = _stacked_axes(key)
-        for index in _present(key, keys[key], len(axes), directory):
+        for index in whole_entries(key, keys[key], len(axes), directory):
             out[unstacked_name(key, index)] = tensor[index] if index else tensor
     return out
