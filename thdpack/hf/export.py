@@ -2,11 +2,12 @@
 
 A run with ``model.pretrained`` keeps, beside its checkpoints, ``CHECKPOINT_DIR/hf/``: the imported
 ``config.json``, the tokenizer files, and ``thdpack.json`` (the run's model group and precision). The export
-builds that Megatron model in one CPU process without model parallelism, loads the checkpoint into it with
-megatron-core's distributed checkpointing (which reassembles whatever layout the run saved with: tensor, pipeline
-and expert parallel shards; its grouped-GEMM and sequential experts share one sharded format), maps the tensors
-with :mod:`thdpack.hf.mapping` and writes ``config.json``, safetensors shards with
-``model.safetensors.index.json``, and the tokenizer files. The tensors keep the checkpoint's dtype and bits.
+reads the model's tensors straight from the distributed checkpoint with ``torch.distributed.checkpoint``
+(:mod:`thdpack.hf.dist_checkpoint`: whole tensors whatever tensor, pipeline and expert parallel layout the run
+saved with, and whichever layer spec it trained with: local or Transformer Engine, sequential or grouped-GEMM
+experts), maps them with :mod:`thdpack.hf.mapping` and writes ``config.json``, safetensors shards with
+``model.safetensors.index.json``, and the tokenizer files. No model is built. The tensors keep the
+checkpoint's dtype and bits.
 
 Checked with transformers 5.24.0 (CPU) and 5.17 (GPU host): ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``.
 """
@@ -27,11 +28,13 @@ from typing import Any
 import torch
 
 from .config import read_hf_config
-from .load import never_predict_padding, set_rotary_frequencies
-from .mapping import Dims, active_rules, features, megatron_to_hf
+from .dist_checkpoint import checkpoint_tensors
+from .load import load_weights, never_predict_padding, set_rotary_frequencies
+from .mapping import VOCAB, Dims, active_rules, expected_hf_names, features, match_name, megatron_to_hf, to_hf
 
 __all__ = [
     "TOKENIZER_FILES",
+    "checkpoint_hf_tensors",
     "export_checkpoint",
     "hf_state",
     "keep_with_checkpoint",
@@ -168,28 +171,16 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[
     return chosen, hf_dir
 
 
-def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
-    """The run's ``GPTModel``, built on CPU without model parallelism, holding the checkpoint's weights (and the
-    checkpoint's RoPE frequencies, as imported). Starts a one-process gloo group and Megatron's parallel state
-    if none is running."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-
+def _run_config(hf_dir: str | Path):
+    """``(Megatron TransformerConfig, tied embeddings, model group)`` of the run that kept ``hf_dir``, for one CPU
+    process without model parallelism. Needs no process group."""
     from thdpack.megatron.config import transformer_config
-    from thdpack.megatron.cpu import initialize_model_parallel_cpu
-    from thdpack.megatron.models import build_gpt_model
     from thdpack.megatron.runtime import Runtime
 
     record = json.loads((Path(hf_dir) / "thdpack.json").read_text())
     model = dict(record["model"])
-    # Sequential experts on CPU: megatron-core shards grouped-GEMM experts in the same format.
+    # Sequential experts on CPU; the checkpoint stores grouped-GEMM experts the same way (dist_checkpoint).
     model["config"] = {**model.get("config", {}), "moe_grouped_gemm": False}
-    if not dist.is_initialized():
-        store = Path(tempfile.mkdtemp(prefix="thdpack_export_")) / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
-        initialize_model_parallel_cpu()
     ones = dict.fromkeys(
         (
             "tensor_model_parallel_size",
@@ -201,6 +192,89 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     )
     runtime = Runtime("cpu", record.get("precision", "fp32"), "torch")
     config = transformer_config(model, ones, runtime)
+    return config, bool(model.get("share_embeddings_and_output_weights")), model
+
+
+def checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The HF tensors of the model in the distributed checkpoint ``iteration_dir``, as saved (dtype, bits),
+    for the run whose ``hf/`` directory is ``hf_dir``. A checkpoint tensor without an HF counterpart, or an HF
+    tensor the checkpoint does not give, stops it, naming both."""
+    iteration_dir = Path(iteration_dir)
+    config, tied, _ = _run_config(hf_dir)
+    hf_config = read_hf_config(hf_dir)
+    rules = active_rules(features(config, tied))
+    dims = Dims(
+        config.num_attention_heads,
+        config.num_query_groups or config.num_attention_heads,
+        config.kv_channels,
+        int(hf_config["vocab_size"]),
+    )
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in checkpoint_tensors(iteration_dir).items():
+        m = match_name(name, rules)
+        if m is None:
+            raise ValueError(
+                f"{iteration_dir}: the checkpoint's tensor '{name}' has no Hugging Face counterpart in "
+                f"thdpack.hf.mapping.RULES for this model ({Path(hf_dir) / 'thdpack.json'})"
+            )
+        if m.rule.kind == VOCAB and tensor.shape[0] < dims.vocab:
+            raise ValueError(
+                f"{iteration_dir}: '{name}' has {tensor.shape[0]} rows but config.json's vocab_size is "
+                f"{dims.vocab}: the checkpoint is not of this model"
+            )
+        for hf_name, part in zip(m.hf_names, to_hf(m.rule.kind, tensor, dims), strict=True):
+            if hf_name in out:
+                raise ValueError(
+                    f"{iteration_dir}: two checkpoint tensors give '{hf_name}' (one is '{name}')"
+                )
+            out[hf_name] = part
+    missing = sorted(expected_hf_names(rules, config.num_layers, config.num_moe_experts or 0) - set(out))
+    if missing:
+        raise ValueError(
+            f"{iteration_dir}: the checkpoint gives no tensor for {len(missing)} Hugging Face tensors of this "
+            f"model, e.g. {missing[:4]}"
+        )
+    return out
+
+
+class _Tensors:
+    """HF tensors in memory, read as :func:`thdpack.hf.load.load_weights` reads a safetensors directory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: Path):
+        self.tensors, self.directory = tensors, source
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        t = self.tensors[name]
+        return t[rows] if t.dim() == 1 else t[rows, cols]
+
+    def where(self, name: str) -> str:
+        return str(self.directory)
+
+
+def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
+    """The run's ``GPTModel``, built on CPU without model parallelism with the local layer spec, holding the
+    checkpoint's weights (through the same HF tensors the export writes; rows past the vocabulary are zero and
+    never predicted) and the imported RoPE frequencies. Starts a one-process gloo group and Megatron's parallel
+    state if none is running."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from thdpack.megatron.cpu import initialize_model_parallel_cpu
+    from thdpack.megatron.models import build_gpt_model
+
+    tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
+    config, tied, model = _run_config(hf_dir)
+    if not dist.is_initialized():
+        store = Path(tempfile.mkdtemp(prefix="thdpack_export_")) / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        initialize_model_parallel_cpu()
     gpt = build_gpt_model(
         config,
         int(model["vocab_size"]),
@@ -208,11 +282,10 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
         backend="torch",
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights")),
+        share_embeddings_and_output_weights=tied,
     )
-    loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(iteration_dir))
-    gpt.load_state_dict(loaded["model"])
     hf_config = read_hf_config(hf_dir)
+    load_weights(gpt, _Tensors(tensors, Path(iteration_dir)), hf_config)
     set_rotary_frequencies(gpt, hf_config)  # what the weights do not carry, as at import
     never_predict_padding(gpt, int(hf_config["vocab_size"]))
     return gpt
@@ -227,8 +300,8 @@ def export_checkpoint(
     """Export ``checkpoint`` (a run's checkpoint.dir or one of its iteration directories) to ``out_dir``."""
     iteration_dir, hf_dir = resolve_checkpoint(checkpoint, iteration)
     hf_config = read_hf_config(hf_dir)
-    gpt = load_checkpoint_model(iteration_dir, hf_dir)
-    return write_hf_directory(out_dir, hf_state(gpt, hf_config), hf_config, hf_dir, max_shard_bytes)
+    tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
+    return write_hf_directory(out_dir, tensors, hf_config, hf_dir, max_shard_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:

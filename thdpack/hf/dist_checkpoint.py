@@ -1,0 +1,142 @@
+"""The model tensors of a Megatron distributed checkpoint (``torch_dist`` format), read with
+``torch.distributed.checkpoint`` alone, whatever layer spec and parallel layout the run saved with.
+
+    tensors = checkpoint_tensors("ckpt/iter_0000100")
+    tensors["decoder.layers.3.self_attention.linear_qkv.weight"]              # one layer's whole tensor
+    tensors["decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"] # one expert's
+
+What the checkpoint holds, from megatron-core 0.16.1's ``sharded_state_dict`` code:
+
+- each tensor once, at its global shape (tensor-, expert- and pipeline-parallel shards put together by DCP);
+- layers stacked on a leading axis under ``decoder.layers.<name>`` (``TransformerBlock.sharded_state_dict``), or
+  one key per layer, ``decoder.layers.<i>.<name>``, where the layers differ (``non_homogeneous_layers``);
+- experts stacked on the next axis under ``...mlp.experts.experts.<name>``, the same for ``SequentialMLP`` and
+  Transformer Engine's grouped GEMM (``TEGroupedMLP.sharded_state_dict``, ``SequentialMLP.sharded_state_dict``
+  in ``transformer/moe/experts.py``); a gated ``linear_fc1`` as ``[gate; up]`` whatever the TP size
+  (``apply_swiglu_sharded_factory``);
+- the names of the layer spec the run used: the local spec saves its norms under Transformer Engine's fused
+  names (``self_attention.linear_qkv.layer_norm_weight``; ``mlp.linear_fc1.layer_norm_weight`` even for MoE
+  layers), Transformer Engine's MoE spec keeps a separate ``pre_mlp_layernorm.weight``;
+- beside the model: ``_extra_state`` objects of Transformer Engine modules and ``rng_state`` (stored as bytes),
+  the optimizer's tensors (``optimizer.*``); scheduler and thdpack's own entries live in ``common.pt``.
+
+Only model tensors are read (the optimizer's are about three times their size). Names are returned as one model
+holding every layer and expert would have them; :mod:`thdpack.hf.mapping` takes either spec's names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from math import prod
+from pathlib import Path
+
+import torch
+
+__all__ = ["checkpoint_tensors", "model_tensor_keys", "unstacked_name", "whole_entries"]
+
+_LAYERS = "decoder.layers."
+_STACKED_EXPERTS = "mlp.experts.experts."
+_PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def _is_model_tensor(key: str) -> bool:
+    # Transformer Engine's _extra_state and the RNG states are ShardedObjects (bytes, not tensors): skipped by
+    # kind in model_tensor_keys, and by name here should a writer ever store one as a tensor.
+    return not (key.startswith("optimizer.") or key.startswith("rng_state") or "_extra_state" in key)
+
+
+def _stacked_axes(key: str) -> tuple[str, ...]:
+    """The leading axes of a checkpoint tensor that stack layers and experts, outermost first."""
+    axes = []
+    if key.startswith(_LAYERS) and not _PER_LAYER.match(key):
+        axes.append("layer")
+    if key.startswith(_LAYERS) and _STACKED_EXPERTS in key:
+        axes.append("expert")
+    return tuple(axes)
+
+
+def unstacked_name(key: str, index: tuple[int, ...]) -> str:
+    """The model's name of entry ``index`` (along :func:`_stacked_axes`) of the checkpoint tensor ``key``:
+    ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` at ``(3, 5)`` is
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``."""
+    axes = dict(zip(_stacked_axes(key), index, strict=True))
+    name = key
+    if "layer" in axes:
+        name = f"{_LAYERS}{axes['layer']}.{name.removeprefix(_LAYERS)}"
+    if "expert" in axes:
+        name = name.replace(_STACKED_EXPERTS, f"mlp.experts.local_experts.{axes['expert']}.", 1)
+    return name
+
+
+def _check_format(directory: Path) -> None:
+    path = directory / "metadata.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {directory} is not a Megatron distributed checkpoint")
+    backend = json.loads(path.read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise ValueError(
+            f"{path}: sharded_backend is {backend!r}; only Megatron's 'torch_dist' format (torch DCP) can be read"
+        )
+
+
+def model_tensor_keys(directory: str | Path) -> dict[str, object]:
+    """``{key: DCP TensorStorageMetadata}`` of the checkpoint's model tensors (global shapes, dtype, chunks)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    directory = Path(directory)
+    _check_format(directory)
+    meta = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {
+        k: m for k, m in sorted(meta.items()) if isinstance(m, TensorStorageMetadata) and _is_model_tensor(k)
+    }
+
+
+def whole_entries(key: str, meta, depth: int, directory: str | Path) -> list[tuple[int, ...]]:
+    """The entries along the ``depth`` stacked axes that the checkpoint holds whole (layers of another kind are
+    absent from a stacked key); one held in part is an error."""
+    inner = prod(meta.size[depth:])
+    covered: dict[tuple[int, ...], int] = {}
+    for chunk in meta.chunks:
+        ranges = [range(o, o + s) for o, s in zip(chunk.offsets[:depth], chunk.sizes[:depth], strict=True)]
+        for index in _product(ranges):
+            covered[index] = covered.get(index, 0) + prod(chunk.sizes[depth:])
+    partial = sorted(i for i, n in covered.items() if n != inner)
+    if partial:
+        raise ValueError(
+            f"{directory}: '{key}' holds only part of entry {partial[0]} (of shape {list(meta.size)}, "
+            f"{covered[partial[0]]} of {inner} elements): the checkpoint is incomplete"
+        )
+    return sorted(covered)
+
+
+def _product(ranges: list[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out
+
+
+def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of the distributed checkpoint in ``directory`` (an ``iter_XXXXXXX`` directory), whole,
+    in the dtype it was saved in, one per layer and expert (names: module docstring). Reads in this process
+    only; no process group is needed."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    keys = model_tensor_keys(directory)
+    if not keys:
+        raise ValueError(f"{directory}: the checkpoint holds no model tensors")
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in keys.items()}
+    with warnings.catch_warnings():
+        # no_dist=True is the point: one process reads what every rank wrote
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        axes = _stacked_axes(key)
+        for index in whole_entries(key, keys[key], len(axes), directory):
+            out[unstacked_name(key, index)] = tensor[index] if index else tensor
+    return out
