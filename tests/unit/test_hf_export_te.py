@@ -90,8 +90,8 @@ def te_checkpoint(one_rank_megatron, tmp_path_factory):
     record of a TE run (attention_backend te, moe_grouped_gemm true, bf16)."""
     from megatron.core import dist_checkpointing
 
-    from thdpack.hf.pretrained import pretrained_model_group
     from thdpack.hf.export import keep_with_checkpoint
+    from thdpack.hf.pretrained import pretrained_model_group
 
     root = tmp_path_factory.mktemp("te_ckpt")
     source = save_model("qwen3_moe", root / "source")
