@@ -95,16 +95,17 @@ def read_run(run_dir: Path) -> dict:
     return {"records": [r for r in records if "loss" in r], "summary": summary}
 
 
-def compare(runs: dict[str, dict], window: int) -> dict[str, dict]:
+def compare(runs: dict[str, dict], window: int, codes: dict[str, int]) -> dict[str, dict]:
     """Per variant: last-window mean loss, its relative difference to the baseline's, the largest per-step
-    difference after the first ``window`` steps."""
+    difference after the first ``window`` steps. A run whose process failed is ``failed``, with the steps it
+    logged."""
     names = list(runs)
     base = {r["step"]: r["loss"] for r in runs[names[0]]["records"]}
     out = {}
     for name in names:
         records = runs[name]["records"]
-        if not records:
-            out[name] = {"status": "failed"}
+        if codes[name] or not records:
+            out[name] = {"status": f"failed (exit {codes[name]})", "steps": len(records)}
             continue
         last = records[-window:]
         mean = sum(r["loss"] for r in last) / len(last)
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> Path:
         if code:
             tail = (procs[name][1] / "train.log").read_text(errors="replace").splitlines()[-15:]
             print(f"   {name} failed ({code}):\n   | " + "\n   | ".join(tail), flush=True)
-    results = compare(runs, args.window)
+    results = compare(runs, args.window, codes)
     device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     tag = "h200" if "H200" in device else "h100" if "H100" in device else "gpu" if on_gpu else "cpu"
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> Path:
     ]
     for name, r in results.items():
         if r["status"] != "ok":
-            lines.append(f"| {name} | failed | - | - | - | - | - | - | - |")
+            lines.append(f"| {name} | {r['status']} after {r['steps']} steps | - | - | - | - | - | - | - |")
             continue
         rel, diff, peak = (
             r["final_window_rel_diff_vs_baseline"],
