@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
-from thdpack.hf.qwen2_5_vl import VLFacts, rope_index
+from thdpack.hf.vl_checkpoint import VLFacts, rope_index
 
 FACTS = VLFacts(
     image_token_id=5,
