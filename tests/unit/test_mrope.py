@@ -170,7 +170,9 @@ def test_interleaved_mrope_equals_qwen3_vl_text_rotary(section):
                          "mrope_interleaved": True},
     )  # fmt: skip
     hf = Qwen3VLTextRotaryEmbedding(config)
-    ids = qwen2vl_ids([("text", 3), ("vision", 1, 4, 6), ("text", 2), ("vision", 1, 6, 2), ("text", 1)])[:, None]
+    ids = qwen2vl_ids([("text", 3), ("vision", 1, 4, 6), ("text", 2), ("vision", 1, 6, 2), ("text", 1)])[
+        :, None
+    ]
     cos, sin = hf(torch.zeros(1, dtype=torch.float32), ids)  # [1, L, head_dim]
     ours = PackedMultimodalRotaryEmbedding(head_dim, rotary_base=5000, device="cpu", mrope_interleaved=True)
     torch.testing.assert_close(ours.inv_freq, hf.inv_freq, rtol=0, atol=0)

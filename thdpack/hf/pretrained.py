@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .vl_checkpoint import VL_ARCHITECTURES, is_vl_config, vl_module
 from .config import ARCHITECTURE_KEYS, HF_FAMILY, TOP_LEVEL_KEYS, HFConfigError, model_group, read_hf_config
+from .vl_checkpoint import VL_ARCHITECTURES, is_vl_config, vl_module
 
 __all__ = ["pretrained_model_group"]
 

@@ -127,5 +127,7 @@ def build_gpt_model(
         # Megatron's MRoPE is wrong on packed rows under CP; the hooks act on THD calls only.
         enable_packed_mrope(model, mrope_interleaved=mrope_interleaved)
     elif mrope_interleaved:
-        raise ValueError("mrope_interleaved=True needs position_embedding_type='mrope' with packed_mrope=True")
+        raise ValueError(
+            "mrope_interleaved=True needs position_embedding_type='mrope' with packed_mrope=True"
+        )
     return model

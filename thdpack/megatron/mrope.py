@@ -178,7 +178,9 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         self.mrope_interleaved = mrope_interleaved
 
     @classmethod
-    def from_megatron(cls, module: nn.Module, mrope_interleaved: bool = False) -> PackedMultimodalRotaryEmbedding:
+    def from_megatron(
+        cls, module: nn.Module, mrope_interleaved: bool = False
+    ) -> PackedMultimodalRotaryEmbedding:
         """The same frequencies as an existing ``MultimodalRotaryEmbedding`` (its ``inv_freq`` is reused)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
