@@ -23,6 +23,7 @@ __all__ = [
     "ARCHITECTURES",
     "FAMILY",
     "build_vision_tower",
+    "deepstack_layers",
     "load_language_model",
     "load_vision_tower",
     "model_group",
@@ -32,6 +33,12 @@ __all__ = [
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 # The model family that builds the model and loads its weights (thdpack.megatron.families resolves the name).
 FAMILY = "thdpack.hf.vlm_family:QWEN2_5_VL"
+MROPE_INTERLEAVED = False  # contiguous frequency sections (temporal, height, width)
+
+
+def deepstack_layers(config: Mapping) -> int:
+    """Qwen2.5-VL has no DeepStack: 0 decoder layers get vision features."""
+    return 0
 
 
 def build_vision_tower(config: Mapping, dtype=None):

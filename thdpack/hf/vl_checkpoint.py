@@ -44,8 +44,8 @@ __all__ = [
     "vl_module",
 ]
 
-# config.json architecture -> the family module (ARCHITECTURES, FAMILY, model_group, build_vision_tower,
-# load_vision_tower, load_language_model).
+# config.json architecture -> the family module (ARCHITECTURES, FAMILY, MROPE_INTERLEAVED, model_group,
+# deepstack_layers, build_vision_tower, load_vision_tower, load_language_model).
 VL_ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "thdpack.hf.qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "thdpack.hf.qwen3_vl",
