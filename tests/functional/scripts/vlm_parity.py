@@ -46,6 +46,7 @@ def main() -> None:
     cp, tp, sp = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False)
     os.environ["HF_HUB_OFFLINE"] = "1"
     from megatron.core import parallel_state as ps
+
     from thdpack.hf.processor import VLProcessor
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
 
