@@ -1,6 +1,6 @@
-"""GPU: a Qwen2.5-VL and a Qwen3-VL directory made on the host fine-tunes packed with Transformer Engine in bf16; the first step's
-loss is within 0.5% of transformers' (bf16) on the same batch and weights; packed and padded runs on the same image
-chat length mix (benchmarks/vlm_gpu.py, which writes the JSON/MD report)."""
+"""GPU: a Qwen2.5-VL and a Qwen3-VL directory made on the host fine-tune packed with Transformer Engine in bf16;
+the first step's loss is within 0.5% of transformers' (bf16) on the same batch and weights; packed and padded runs
+on the same image chat length mix (benchmarks/vlm_gpu.py, which writes the JSON/MD report)."""
 
 from __future__ import annotations
 
