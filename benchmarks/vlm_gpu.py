@@ -1,19 +1,22 @@
-"""Vision-language fine-tuning on a GPU: a Qwen2.5-VL directory made here, trained packed (TE, bf16) and padded on
-the same image chat batches; the first step's loss against transformers' on the same batch and weights.
+"""Vision-language fine-tuning on a GPU: a Qwen2.5-VL (or, with ``--family qwen3_vl``, Qwen3-VL) directory made
+here, trained packed (TE, bf16) and padded on the same image chat batches; the first step's loss against
+transformers' on the same batch and weights.
 
     python benchmarks/vlm_gpu.py --out benchmarks/results             # GPU: small model, 20 steps each
+    python benchmarks/vlm_gpu.py --out benchmarks/results --family qwen3_vl
     python benchmarks/vlm_gpu.py --out /tmp/vlm --size tiny --steps 3   # a CPU smoke run (fp32, torch attention)
 
 1. The model: ``tests/vlm_models.py``'s builder at ``--size`` (small: a 12-layer, 1024-wide Qwen2 text model and
    an 8-block vision tower; transformers' own random initialisation) with its tokenizer, chat template and image
-   processor, saved to ``<out>/vlm_model`` (or ``--directory``, an existing Qwen2.5-VL directory).
+   processor, saved to ``<out>/vlm_model`` (or ``--directory``, an existing Qwen2.5-VL or Qwen3-VL directory).
 2. The data: ``dataset=embedded_vlm`` with pictures of 56 to ``--max-side`` pixels a side (4 to 256 image tokens
    each at 448), one or two pictures or none per sample: a vision-language length mix.
 3. Two runs of ``python -m thdpack.train model=hf model.pretrained=DIR`` on the same global batches:
    ``packed`` (micro-batches filled to ``micro_batch_size x seq_length`` tokens) and ``padded`` (BSHD rows padded
    to the longest sample of each micro-batch, ``micro_batch_size`` per micro-batch). Steady-state real tokens/s
    (steps after ``--warmup``), peak memory, the loss curve.
-4. transformers' ``Qwen2_5_VLForConditionalGeneration`` on the first global batch (each sample alone, the same
+4. transformers' own model (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``) on the
+   first global batch (each sample alone, the same
    pixels, the assistant targets): its per-token loss in bf16 and in fp32, against the packed run's step-1 loss.
 
 Writes ``<out>/vlm_gpu_<device>_<date>.json`` and ``.md``. Exit status 1 when the first-step loss differs from
@@ -153,9 +156,11 @@ def transformers_loss(directory: Path, rows, dtype: torch.dtype, device: str) ->
     """transformers' per-token loss over ``rows`` (each sample alone), the targets being the collated labels."""
     import inspect
 
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(directory), dtype=dtype).to(device).eval()
+    (architecture,) = json.loads((Path(directory) / "config.json").read_text())["architectures"]
+    model_class = getattr(transformers, architecture)
+    model = model_class.from_pretrained(str(directory), dtype=dtype).to(device).eval()
     takes_types = "mm_token_type_ids" in inspect.signature(model.model.forward).parameters
     total, count = 0.0, 0
     with torch.no_grad():
@@ -182,7 +187,10 @@ def transformers_loss(directory: Path, rows, dtype: torch.dtype, device: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--directory", type=Path, default=None, help="an existing Qwen2.5-VL directory")
+    parser.add_argument(
+        "--directory", type=Path, default=None, help="an existing Qwen2.5-VL or Qwen3-VL directory"
+    )
+    parser.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -202,7 +210,7 @@ def main() -> None:
     if directory is None:
         from tests.vlm_models import build_tiny_vl
 
-        directory = build_tiny_vl(args.out / "vlm_model", size=args.size, sharp=False)
+        directory = build_tiny_vl(args.out / "vlm_model", size=args.size, sharp=False, family=args.family)
 
     rows = first_batch_rows(directory, args)
     lengths = [len(t) for t, *_ in rows]
@@ -243,7 +251,8 @@ def main() -> None:
         / runs["padded"]["real_tokens_per_s"],
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    tag = f"vlm_gpu_{'h100' if 'H100' in result['device'] else 'h200' if 'H200' in result['device'] else device}_{datetime.now().strftime('%Y-%m-%d')}"
+    family = "" if args.family == "qwen2_5_vl" or args.directory is not None else f"{args.family}_"
+    tag = f"vlm_gpu_{family}{'h100' if 'H100' in result['device'] else 'h200' if 'H200' in result['device'] else device}_{datetime.now().strftime('%Y-%m-%d')}"
     (args.out / f"{tag}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"{tag}.md").write_text(report(result))
     print(report(result))

@@ -38,7 +38,14 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["QWEN2_VL_CHAT_TEMPLATE", "STYLES", "TokenizerInfo", "train_bpe", "write_tokenizer"]
+__all__ = [
+    "QWEN2_VL_CHAT_TEMPLATE",
+    "QWEN3_VL_CHAT_TEMPLATE",
+    "STYLES",
+    "TokenizerInfo",
+    "train_bpe",
+    "write_tokenizer",
+]
 
 STYLES = ("llama3", "qwen2_5", "qwen3")
 
@@ -254,6 +261,64 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# Qwen/Qwen3-VL-*-Instruct, chat_template.json "chat_template", without its tool-calling branches: no default
+# system prompt (unlike Qwen2-VL's), an image part as <|vision_start|><|image_pad|><|vision_end|>, text parts
+# joined, assistant content as a string or text parts.
+QWEN3_VL_CHAT_TEMPLATE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].content is string %}
+        {{- messages[0].content }}
+    {%- else %}
+        {%- for content in messages[0].content %}
+            {%- if 'text' in content %}
+                {{- content.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content_item in message.content %}
+                {%- if 'text' in content_item %}
+                    {{- content_item.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 
 # Qwen/Qwen3-* (dense and MoE), tokenizer_config.json "chat_template".
 QWEN3_CHAT_TEMPLATE = """{%- if tools %}

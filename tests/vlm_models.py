@@ -1,9 +1,10 @@
-"""A tiny Qwen2.5-VL Hugging Face directory, built locally (no download): random weights from a transformers
-config, the tests' Qwen2.5 tokenizer (:mod:`tests.hf_tokenizers`: a small byte-level BPE with Qwen's special and
-vision tokens) with the Qwen2-VL chat template, and a PIL image processor with patch 14, merge 2 (a 56x56 image
-is 4 image tokens).
+"""A tiny Qwen2.5-VL or Qwen3-VL Hugging Face directory, built locally (no download): random weights from a
+transformers config, the tests' Qwen tokenizer (:mod:`tests.hf_tokenizers`: a small byte-level BPE with Qwen's
+special and vision tokens) with the family's chat template, and a PIL image processor: Qwen2.5-VL patch 14, merge 2
+(a 56x56 image is 4 image tokens); Qwen3-VL patch 16, merge 2 (a 64x64 image is 4 image tokens).
 
     directory = build_tiny_vl(tmp_path / "vl")
+    directory = build_tiny_vl(tmp_path / "vl3", family="qwen3_vl")
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_tokenizers import QWEN2_VL_CHAT_TEMPLATE, TokenizerInfo, write_tokenizer
+from tests.hf_tokenizers import (
+    QWEN2_VL_CHAT_TEMPLATE,
+    QWEN3_VL_CHAT_TEMPLATE,
+    TokenizerInfo,
+    write_tokenizer,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -125,12 +131,21 @@ def tiny_config(tokenizer: TokenizerInfo, tie: bool = False, size: str = "tiny")
 
 
 def build_tiny_vl(
-    directory: str | Path, seed: int = 0, tie: bool = False, size: str = "tiny", sharp: bool = True
+    directory: str | Path,
+    seed: int = 0,
+    tie: bool = False,
+    size: str = "tiny",
+    sharp: bool = True,
+    family: str = "qwen2_5_vl",
 ) -> Path:
-    """Write a Qwen2.5-VL directory of ``SIZES[size]`` (config, safetensors, tokenizer, chat template, image
-    processor). ``sharp``: weights larger than transformers' initialisation (std 0.1; norms around 1), which
-    make the parity checks sharper; False keeps transformers' own (for training runs)."""
+    """Write a Qwen2.5-VL (``family="qwen2_5_vl"``) or Qwen3-VL (``"qwen3_vl"``) directory of ``SIZES[size]``
+    (config, safetensors, tokenizer, chat template, image processor). ``sharp``: weights larger than
+    transformers' initialisation (std 0.1; norms around 1), which make the parity checks sharper; False keeps
+    transformers' own (for training runs)."""
     import torch
+
+    if family == "qwen3_vl":
+        return build_tiny_qwen3_vl(directory, seed=seed, tie=tie, size=size, sharp=sharp)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     directory = Path(directory)
@@ -142,17 +157,146 @@ def build_tiny_vl(
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
     if sharp:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() > 1:
-                    p.normal_(0.0, 0.1)
-                elif "norm" in name or "ln_q" in name:
-                    p.normal_(1.0, 0.1)
-                else:
-                    p.normal_(0.0, 0.05)
+        _sharpen(model)
     model.save_pretrained(str(directory))
     side = SIZES[size]["max_side"]
     processor = {**IMAGE_PROCESSOR, "size": {"shortest_edge": 56 * 56, "longest_edge": side * side}}
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps({**processor, "max_pixels": side * side}, indent=1)
+    )
+    return directory
+
+
+def _sharpen(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+            elif "norm" in name or "ln_q" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+
+
+# Qwen3-VL sizes. tiny: a 3-layer Qwen3 text model, hidden 64, GQA 4/2, head dim 32 (free of hidden / heads),
+# MRoPE sections 6+5+5 (the released 24+20+20 scaled, interleaved); a 3-block vision tower of width 32, learned
+# position embeddings on a 4x4 grid (interpolated to every image), DeepStack from blocks 0 and 1 into decoder
+# layers 1 and 2 (layer 3 gets none). small: 12 layers, hidden 1024, GQA 16/8, head dim 128 (24+20+20, as
+# released); an 8-block vision tower of width 512, DeepStack from blocks 2, 4, 6 (GPU runs).
+QWEN3_SIZES = {
+    "tiny": dict(
+        text=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+        ),
+        section=[6, 5, 5],
+        vision=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        max_side=224,
+    ),
+    "small": dict(
+        text=dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+        section=[24, 20, 20],
+        vision=dict(
+            depth=8,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_heads=8,
+            num_position_embeddings=576,
+            deepstack_visual_indexes=[2, 4, 6],
+        ),
+        max_side=448,
+    ),
+}
+# Qwen/Qwen3-VL-*-Instruct preprocessor_config.json, with small images (the released minimum is 256x256).
+QWEN3_IMAGE_PROCESSOR = {
+    **IMAGE_PROCESSOR,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16,
+    "size": {"shortest_edge": 64 * 64, "longest_edge": 224 * 224},
+    "min_pixels": 64 * 64,
+    "max_pixels": 224 * 224,
+}
+
+
+def qwen3_vl_config(tokenizer: TokenizerInfo, tie: bool = False, size: str = "tiny") -> dict:
+    """A Qwen3-VL config.json (nested, as transformers 5.x and the released checkpoints write it) of
+    ``QWEN3_SIZES[size]`` for ``tokenizer``, its vocabulary rounded up to a multiple of 64."""
+    shape, ids = QWEN3_SIZES[size], tokenizer.added_ids
+    return dict(
+        architectures=["Qwen3VLForConditionalGeneration"],
+        model_type="qwen3_vl",
+        text_config=dict(
+            vocab_size=-(-tokenizer.vocab_size // 64) * 64,
+            **shape["text"],
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=5000000.0,
+                mrope_section=shape["section"],
+                mrope_interleaved=True,
+            ),
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+        ),
+        vision_config=dict(
+            **shape["vision"],
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=shape["text"]["hidden_size"],
+            in_channels=3,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tie,
+    )
+
+
+def build_tiny_qwen3_vl(
+    directory: str | Path, seed: int = 0, tie: bool = False, size: str = "tiny", sharp: bool = True
+) -> Path:
+    """Write a Qwen3-VL directory of ``QWEN3_SIZES[size]``: the Qwen3 tokenizer with the Qwen3-VL chat template,
+    config, safetensors, image processor (see :func:`build_tiny_vl`)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_tokenizer(directory, "qwen3", chat_template=QWEN3_VL_CHAT_TEMPLATE)
+    config = Qwen3VLConfig(
+        **{k: v for k, v in qwen3_vl_config(tokenizer, tie=tie, size=size).items() if k != "architectures"}
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    if sharp:
+        _sharpen(model)
+    model.save_pretrained(str(directory))
+    side = QWEN3_SIZES[size]["max_side"]
+    processor = {**QWEN3_IMAGE_PROCESSOR, "size": {"shortest_edge": 64 * 64, "longest_edge": side * side}}
     (directory / "preprocessor_config.json").write_text(
         json.dumps({**processor, "max_pixels": side * side}, indent=1)
     )
@@ -163,3 +307,9 @@ def build_tiny_vl(
 def tiny_vl(tmp_path_factory) -> Path:
     """One tiny Qwen2.5-VL directory for the whole test session (import the fixture into a test module)."""
     return build_tiny_vl(tmp_path_factory.mktemp("tiny_vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory) -> Path:
+    """One tiny Qwen3-VL directory for the whole test session (import the fixture into a test module)."""
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl")

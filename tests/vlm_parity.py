@@ -1,9 +1,11 @@
-"""Qwen2.5-VL parity helpers shared by the L0 test (one rank) and the L1 script (CP2, TP2, under torchrun).
+"""Vision-language parity helpers shared by the L0 test (one rank) and the L1 script (CP2, TP2, under torchrun),
+for every VL family (Qwen2.5-VL, Qwen3-VL).
 
 * :func:`mixed_chats`: a text-only sample, a one-image sample and a two-image sample (images of different
   sizes), drawn with PIL;
-* :func:`hf_reference`: transformers' ``Qwen2_5_VLForConditionalGeneration`` on each sample alone (fp32): its
-  logits, and its loss's sum and token count on the assistant targets;
+* :func:`hf_reference`: transformers' own model (``Qwen2_5_VLForConditionalGeneration``,
+  ``Qwen3VLForConditionalGeneration``: :func:`hf_class`) on each sample alone (fp32): its logits, and its loss's
+  sum and token count on the assistant targets;
 * :func:`thdpack_forward`: thdpack's packed forward of the whole batch (collate, pack, CP shard, the VL model
   built from the same directory) on this rank: the logits of this rank's real tokens beside their positions in
   the samples, and the per-token loss sum and count.
@@ -88,11 +90,20 @@ class Reference:
     loss_count: int
 
 
+def hf_class(directory):
+    """transformers' class of the directory's ``config.json`` architecture."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    (architecture,) = json.loads((Path(directory) / "config.json").read_text())["architectures"]
+    return getattr(transformers, architecture)
+
+
 def hf_reference(directory, sample_list) -> Reference:
     """transformers on each sample alone: logits, and the summed cross entropy over the targets."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(directory), dtype=torch.float32).eval()
+    model = hf_class(directory).from_pretrained(str(directory), dtype=torch.float32).eval()
     takes_types = "mm_token_type_ids" in inspect.signature(model.model.forward).parameters
     logits, loss_sum, count = [], 0.0, 0
     with torch.no_grad():
@@ -117,9 +128,11 @@ def hf_reference(directory, sample_list) -> Reference:
 
 def model_group(directory, seq_length: int, tp: int = 1) -> dict:
     from thdpack.hf.config import read_hf_config
-    from thdpack.hf.qwen2_5_vl import model_group as vl_group
+    from thdpack.hf.vl_checkpoint import vl_module
 
-    return {**vl_group(read_hf_config(directory), seq_length=seq_length, tp=tp), "pretrained": str(directory)}
+    config = read_hf_config(directory)
+    group = vl_module(config).model_group(config, seq_length=seq_length, tp=tp)
+    return {**group, "pretrained": str(directory)}
 
 
 def build(directory, group, parallel: dict, seq_length: int):

@@ -1,4 +1,5 @@
-"""L1: thdpack's packed Qwen2.5-VL equals transformers per sample under context parallelism (the vision tower on
+"""L1: thdpack's packed Qwen2.5-VL and Qwen3-VL (DeepStack included) equal transformers per sample under context
+parallelism (the vision tower on
 every CP rank, image embeddings scattered into each rank's zigzag shard) and tensor parallelism with sequence
 parallelism (scattered before the sequence split); MRoPE ids of every shard equal get_rope_index's."""
 
@@ -11,9 +12,9 @@ from tests.vlm_models import build_tiny_vl
 pytestmark = pytest.mark.functional
 
 
-@pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return build_tiny_vl(tmp_path_factory.mktemp("vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def directory(request, tmp_path_factory):
+    return build_tiny_vl(tmp_path_factory.mktemp("vl"), family=request.param)
 
 
 @pytest.mark.parametrize("layout", ["cp2", "tp2_sp"])

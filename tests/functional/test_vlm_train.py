@@ -1,4 +1,5 @@
-"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL directory> dataset=embedded_vlm`` trains;
+"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL or Qwen3-VL directory> dataset=embedded_vlm``
+trains;
 packed, padded and packed under CP2 compute the same losses step after step, and the first step's loss equals
 transformers' on the same global batch and weights.
 """
@@ -27,9 +28,9 @@ VL = (
 )
 
 
-@pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return build_tiny_vl(tmp_path_factory.mktemp("vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def directory(request, tmp_path_factory):
+    return build_tiny_vl(tmp_path_factory.mktemp("vl"), family=request.param)
 
 
 @pytest.fixture(scope="module")

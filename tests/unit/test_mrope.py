@@ -156,6 +156,34 @@ def test_text_only_mrope_is_1d_rope(interleaved):
     torch.testing.assert_close(ours, rope.get_emb(L), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("section", [[6, 5, 5], [24, 20, 20], [2, 3, 3]])
+def test_interleaved_mrope_equals_qwen3_vl_text_rotary(section):
+    """Qwen3-VL's frequency layout (mrope_interleaved): the cos and sin transformers' text rotary gives each
+    token of an image sample equal those of thdpack's per-token angles (halves layout, as rotate_half)."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    head_dim = 2 * sum(section)
+    config = Qwen3VLTextConfig(
+        hidden_size=64, num_attention_heads=2, head_dim=head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": section,
+                         "mrope_interleaved": True},
+    )  # fmt: skip
+    hf = Qwen3VLTextRotaryEmbedding(config)
+    ids = qwen2vl_ids([("text", 3), ("vision", 1, 4, 6), ("text", 2), ("vision", 1, 6, 2), ("text", 1)])[
+        :, None
+    ]
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), ids)  # [1, L, head_dim]
+    ours = PackedMultimodalRotaryEmbedding(head_dim, rotary_base=5000, device="cpu", mrope_interleaved=True)
+    torch.testing.assert_close(ours.inv_freq, hf.inv_freq, rtol=0, atol=0)
+    angles = ours(ids, section)[:, 0, 0]  # [L, head_dim]
+    torch.testing.assert_close(angles.cos(), cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(angles.sin(), sin[0], rtol=0, atol=0)
+    # The contiguous (Qwen2.5-VL) layout differs on the same image ids: the check can fail.
+    contiguous = mrope_frequencies(ids, ours.inv_freq, section)[:, 0, 0]
+    assert not torch.allclose(contiguous.cos(), cos[0])
+
+
 @pytest.mark.parametrize("section", [[2, 3], [2, 3, 4]])
 def test_mrope_section_must_cover_the_rotary_half(section):
     ids = torch.zeros(3, 1, 4, dtype=torch.long)

@@ -107,3 +107,106 @@ def test_the_vl_family_builds_the_checkpoints_model_and_owns_its_loading(directo
     )
     assert family.name == "qwen2_5_vl" and family.carry_keys == ("pixel_values", "image_grid_thw")
     assert family.build.__module__ == "thdpack.hf.vlm_family"
+
+
+# Qwen3-VL: the same pieces, and what is its own (Qwen3 import, DeepStack, interleaved MRoPE, refusals).
+from tests.vlm_models import tiny_qwen3_vl  # noqa: E402, F401 - the session's Qwen3-VL directory
+
+
+def test_the_qwen3_vl_vision_tower_with_its_deepstack_mergers_equals_the_checkpoints_tensors(tiny_qwen3_vl):  # noqa: F811
+    from safetensors.torch import load_file
+
+    from thdpack.hf.qwen3_vl import load_vision_tower as load_qwen3_vision_tower
+
+    tensors = load_file(tiny_qwen3_vl / "model.safetensors")
+    visual = load_qwen3_vision_tower(tiny_qwen3_vl)
+    names = visual.state_dict()
+    assert any(name.startswith("deepstack_merger_list.1.") for name in names)
+    for name, value in names.items():
+        assert torch.equal(value, tensors[f"model.visual.{name}"]), name
+
+
+def test_the_qwen3_vl_model_group_is_the_qwen3_group_with_mrope_and_its_family(tiny_qwen3_vl):  # noqa: F811
+    from thdpack.hf.config import read_hf_config
+    from thdpack.hf.pretrained import pretrained_model_group
+    from thdpack.hf.qwen3_vl import deepstack_layers, qwen3_config
+    from thdpack.megatron.families import get_family
+
+    config = read_hf_config(tiny_qwen3_vl)
+    group = pretrained_model_group({"pretrained": str(tiny_qwen3_vl)}, seq_length=256, tp=1)
+    assert group["family"] == "thdpack.hf.vlm_family:QWEN3_VL" and group["position_embedding_type"] == "mrope"
+    assert group["config"]["qk_layernorm"] and not group["config"]["add_qkv_bias"]
+    assert group["config"]["kv_channels"] == 32 and group["config"]["mrope_section"] == [6, 5, 5]
+    assert qwen3_config(config)["architectures"] == ["Qwen3ForCausalLM"]
+    assert deepstack_layers(config) == 2
+    family = get_family(group["family"])
+    assert family.name == "qwen3_vl" and family.carry_keys == ("pixel_values", "image_grid_thw")
+
+
+def test_an_unknown_vision_language_architecture_is_refused_naming_it(tiny_qwen3_vl, tmp_path):  # noqa: F811
+    from thdpack.hf.config import HFConfigError
+    from thdpack.hf.pretrained import pretrained_model_group
+
+    config = json.loads((tiny_qwen3_vl / "config.json").read_text())
+    config.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        HFConfigError,
+        match=r"architectures \['Qwen3VLMoeForConditionalGeneration'\] has a vision_config but no "
+        r"vision-language family: thdpack supports \['Qwen2_5_VLForConditionalGeneration', "
+        r"'Qwen3VLForConditionalGeneration'\]",
+    ):
+        pretrained_model_group({"pretrained": str(tmp_path)}, seq_length=256, tp=1)
+
+
+def test_more_deepstack_layers_than_decoder_layers_are_refused(tiny_qwen3_vl):  # noqa: F811
+    from thdpack.hf.config import HFConfigError, read_hf_config
+    from thdpack.hf.qwen3_vl import model_group as qwen3_group
+
+    config = read_hf_config(tiny_qwen3_vl)
+    config["vision_config"] = {**config["vision_config"], "deepstack_visual_indexes": [0, 1, 2, 2]}
+    with pytest.raises(
+        HFConfigError, match=r"deepstack_visual_indexes \[0, 1, 2, 2\].*at most num_hidden_layers"
+    ):
+        qwen3_group(config, seq_length=256)
+
+
+def test_a_qwen3_vl_chat_with_a_video_is_refused_naming_the_sample_and_the_rule(tiny_qwen3_vl):  # noqa: F811
+    from thdpack.hf.processor import VLProcessor
+
+    messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]},
+        {"role": "assistant", "content": "A circle moves."},
+    ]
+    with pytest.raises(ValueError, match=r"chat.jsonl:4: the sample holds video tokens .* images only"):
+        VLProcessor(tiny_qwen3_vl).encode_chat(messages, [], "chat.jsonl:4")
+
+
+def deepstack_stage(recompute: str | None):
+    """A first-stage language model stand-in holding decoder layers 1..3, and its config."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(recompute_granularity=recompute, sequence_parallel=False)
+    embedding = SimpleNamespace(word_embeddings=SimpleNamespace())
+    layers = [SimpleNamespace(layer_number=n) for n in (1, 2, 3)]
+    gpt = SimpleNamespace(
+        model_type=None, pre_process=True, post_process=True, embedding=embedding,
+        decoder=SimpleNamespace(layers=layers),
+    )  # fmt: skip
+    return config, gpt
+
+
+def test_trained_vision_with_full_recomputation_is_refused_for_deepstack():
+    from thdpack.megatron.vlm import VisionLanguageModel
+
+    config, gpt = deepstack_stage("full")
+    with pytest.raises(ValueError, match="freeze_vision=false with full activation recomputation"):
+        VisionLanguageModel(config, gpt, torch.nn.Linear(2, 2), freeze_vision=False, deepstack_layers=2)
+
+
+def test_a_first_stage_without_every_deepstack_layer_is_refused():
+    from thdpack.megatron.vlm import VisionLanguageModel
+
+    config, gpt = deepstack_stage(None)
+    with pytest.raises(ValueError, match=r"layers 1\.\.4 .* first pipeline stage"):
+        VisionLanguageModel(config, gpt, torch.nn.Linear(2, 2), deepstack_layers=4)

@@ -1,12 +1,13 @@
-"""thdpack's packed Qwen2.5-VL (Megatron GPTModel with packed MRoPE + transformers' vision tower, weights from a
-Hugging Face directory) computes what transformers computes on each sample alone: the same per-token logits on a
-batch of a text-only, a one-image and a two-image sample (CPU, fp32), and the same first-step loss."""
+"""thdpack's packed Qwen2.5-VL and Qwen3-VL (Megatron GPTModel with packed MRoPE + transformers' vision tower;
+Qwen3-VL: interleaved MRoPE sections, q/k norms, DeepStack features added after the first decoder layers; weights
+from a Hugging Face directory) compute what transformers computes on each sample alone: the same per-token logits
+on a batch of a text-only, a one-image and a two-image sample (CPU, fp32), and the same first-step loss."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
+from tests.vlm_models import tiny_qwen3_vl, tiny_vl  # noqa: F401 - the session's model directories
 from tests.vlm_parity import (
     build,
     hf_reference,
@@ -36,9 +37,9 @@ def one_rank(tmp_path_factory):
     cpu.destroy_model_parallel_cpu()
 
 
-@pytest.fixture(scope="module")
-def case(tiny_vl, one_rank):  # noqa: F811
-    directory = tiny_vl
+@pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen3_vl"], ids=["qwen2_5_vl", "qwen3_vl"])
+def case(request, one_rank):
+    directory = request.getfixturevalue(request.param)
     batch = samples(VLProcessor(directory), mixed_chats())
     reference = hf_reference(directory, batch)
     parallel = dict(
@@ -68,3 +69,31 @@ def test_first_step_loss_equals_transformers(case):
     assert count == reference.loss_count
     print(f"loss thdpack {loss_sum / count:.8f} transformers {reference.loss_sum / reference.loss_count:.8f}")
     assert loss_sum / count == pytest.approx(reference.loss_sum / reference.loss_count, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_inputs(tiny_qwen3_vl, one_rank):  # noqa: F811
+    batch = samples(VLProcessor(tiny_qwen3_vl), mixed_chats())
+    return tiny_qwen3_vl, batch, hf_reference(tiny_qwen3_vl, batch)
+
+
+@pytest.mark.parametrize("ablation", ["no_deepstack", "contiguous_mrope"])
+def test_qwen3_vl_parity_fails_without_deepstack_or_interleaved_mrope(qwen3_inputs, ablation, monkeypatch):
+    """The parity check above can fail: dropping the DeepStack features, or rotating with Qwen2.5-VL's contiguous
+    MRoPE sections, moves the image samples' logits far past 1e-4 (measured 3.6 and 0.25)."""
+    import thdpack.hf.qwen3_vl as qwen3_vl
+    import thdpack.megatron.deepstack as deepstack
+
+    if ablation == "no_deepstack":
+        addend = deepstack.deepstack_addend
+        monkeypatch.setattr(deepstack, "deepstack_addend", lambda *args: addend(*args) * 0)
+    else:
+        monkeypatch.setattr(qwen3_vl, "MROPE_INTERLEAVED", False)
+    directory, batch, reference = qwen3_inputs
+    parallel = dict(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+        expert_model_parallel_size=1,
+    )  # fmt: skip
+    model, _ = build(directory, model_group(directory, SEQ), parallel, SEQ)
+    logits, where, _, _ = thdpack_forward(model, batch, SEQ)
+    assert max_logit_difference(reference, logits, where) > 1e-2

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL MRoPE ids: thdpack's per-sample rule equals transformers' ``get_rope_index`` on the same sample,
-and mismatched image-token counts are refused naming the sample."""
+"""Qwen2.5-VL and Qwen3-VL MRoPE ids of samples with still images: thdpack's per-sample rule equals each family's
+transformers ``get_rope_index`` on the same sample, and mismatched image-token counts and videos are refused
+naming the sample."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
-from thdpack.hf.qwen2_5_vl import VLFacts, rope_index
+from tests.vlm_models import tiny_qwen3_vl, tiny_vl  # noqa: F401 - the session's model directories
+from thdpack.hf.vl_checkpoint import VLFacts, rope_index
 
 FACTS = VLFacts(
     image_token_id=5,
@@ -38,11 +39,12 @@ def sample(*parts):
     return np.array(tokens), np.array(grids, dtype=np.int64).reshape(-1, 3)
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_vl):  # noqa: F811
-    from transformers import Qwen2_5_VLForConditionalGeneration
+@pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen3_vl"], ids=["qwen2_5_vl", "qwen3_vl"])
+def hf_model(request):
+    from tests.vlm_parity import hf_class
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tiny_vl)).model
+    directory = request.getfixturevalue(request.param)
+    return hf_class(directory).from_pretrained(str(directory)).model
 
 
 def transformers_rope_index(model, tokens: np.ndarray, grids: np.ndarray) -> np.ndarray:
@@ -103,5 +105,5 @@ def test_more_images_than_runs_of_image_tokens_is_refused():
 
 
 def test_video_tokens_are_refused():
-    with pytest.raises(ValueError, match="videos are not supported"):
-        rope_index(np.array([T, 6, 6, T]), np.zeros((0, 3)), FACTS)
+    with pytest.raises(ValueError, match=r"x:3: .*video_token_id 6.*videos are not supported, images only"):
+        rope_index(np.array([T, 6, 6, T]), np.zeros((0, 3)), FACTS, where="x:3")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .qwen2_5_vl import VLFacts, read_vl_config, rope_index, vl_facts
+from .vl_checkpoint import VL_ARCHITECTURES, VLFacts, is_vl_config, read_vl_config, rope_index, vl_facts
 
 __all__ = ["EncodedChat", "VLProcessor", "dataset_processor", "load_image_processor", "processor_for"]
 
@@ -40,7 +40,7 @@ class EncodedChat:
         tokens: int64 ``[L]``.
         target_mask: bool ``[L]``, True on the assistant tokens the loss predicts (never an image token).
         mm_token_type_ids: int8 ``[L]``, 1 on image tokens, 0 on text (transformers' processor output name).
-        mrope_position_ids: int64 ``[3, L]`` (:func:`thdpack.hf.qwen2_5_vl.rope_index`).
+        mrope_position_ids: int64 ``[3, L]`` (:func:`thdpack.hf.vl_checkpoint.rope_index`).
         pixel_values: float32 ``[P, C * temporal_patch * patch**2]``, the patches of every image in order.
         image_grid_thw: int64 ``[I, 3]``, each image's patch grid.
     """
@@ -215,9 +215,7 @@ def processor_for(model) -> VLProcessor | None:
         config = json.loads((Path(directory) / "config.json").read_text())
     except (OSError, ValueError):
         return None  # the model import reports an unreadable directory, naming it
-    from .qwen2_5_vl import ARCHITECTURES
-
-    if not set(config.get("architectures") or []) & set(ARCHITECTURES):
+    if not is_vl_config(config):
         return None
     return VLProcessor(directory)
 
@@ -243,14 +241,12 @@ def dataset_processor(name: str, spec: str | None, model) -> VLProcessor | None:
     if not directory:
         raise ValueError(
             f"dataset.name={name} needs a vision-language checkpoint: set model=hf model.pretrained=<a Qwen2.5-VL "
-            "directory> (its processor reads the images)"
+            "or Qwen3-VL directory> (its processor reads the images)"
         )
     processor = processor_for(model)
     if processor is None:
-        from .qwen2_5_vl import ARCHITECTURES
-
         raise ValueError(
             f"dataset.name={name} needs a vision-language checkpoint, but model.pretrained={directory} is not one "
-            f"(config.json's architectures must be one of {list(ARCHITECTURES)})"
+            f"(config.json's architectures must be one of {list(VL_ARCHITECTURES)})"
         )
     return processor

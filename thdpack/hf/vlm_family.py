@@ -1,13 +1,14 @@
-"""The Qwen2.5-VL model family (``model=hf model.pretrained=<a Qwen2.5-VL directory>``): how the training loop
-builds :class:`~thdpack.megatron.vlm.VisionLanguageModel` with the checkpoint's weights (the language model
-through the Qwen2 import, the vision tower from the checkpoint's safetensors) and calls it on a micro-batch whose
-images ride beside the packed row (``pixel_values``, ``image_grid_thw``: carried, not packed; ``vision_index``:
-packed and CP-sharded with the tokens).
+"""The vision-language model families (``model=hf model.pretrained=<a Qwen2.5-VL or Qwen3-VL directory>``): how
+the training loop builds :class:`~thdpack.megatron.vlm.VisionLanguageModel` with the checkpoint's weights (the
+language model through the text import of its family module, the vision tower from the checkpoint's safetensors)
+and calls it on a micro-batch whose images ride beside the packed row (``pixel_values``, ``image_grid_thw``:
+carried, not packed; ``vision_index``: packed and CP-sharded with the tokens).
 
-The model group of such a directory names this family (:data:`thdpack.hf.qwen2_5_vl.FAMILY`, through the
-registry's ``"package.module:ATTRIBUTE"`` form, as :mod:`thdpack.hf.family` for text checkpoints): the weights are
-loaded here, so the ``hf`` family's loader never runs for it. Like :mod:`thdpack.hf.family`, a module of
-:mod:`thdpack.hf` that imports :mod:`thdpack.megatron` at module level, imported only when a recipe names it.
+The model group of such a directory names its family (:data:`thdpack.hf.qwen2_5_vl.FAMILY`,
+:data:`thdpack.hf.qwen3_vl.FAMILY`, through the registry's ``"package.module:ATTRIBUTE"`` form, as
+:mod:`thdpack.hf.family` for text checkpoints): the weights are loaded here, so the ``hf`` family's loader never
+runs for it. Like :mod:`thdpack.hf.family`, a module of :mod:`thdpack.hf` that imports :mod:`thdpack.megatron` at
+module level, imported only when a recipe names it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from thdpack.megatron.vlm import (
     vlm_forward,
 )
 
-from .qwen2_5_vl import load_language_model, load_vision_tower
+from .vl_checkpoint import read_vl_config, vl_module
 
-__all__ = ["QWEN2_5_VL", "build_vlm"]
+__all__ = ["QWEN2_5_VL", "QWEN3_VL", "build_vlm"]
 
 log = logging.getLogger("thdpack")
 
@@ -37,33 +38,61 @@ def build_vlm(
     model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime
 ) -> VisionLanguageModel:
     """This rank's :class:`VisionLanguageModel` from the recipe's model group (``pretrained``: the Hugging Face
-    directory; ``freeze_vision``, default true), with the checkpoint's weights: the language model through the
-    Qwen2 import, the vision tower (first pipeline stage only) from its safetensors. On the host, bare: loaded
-    here, before the loop wraps the model and the optimizer copies its parameters (as :mod:`thdpack.hf.family`)."""
+    directory; ``freeze_vision``, default true), with the checkpoint's weights: the language model through its
+    family module's text import, the vision tower (first pipeline stage only) from its safetensors. The family
+    module fixes what the checkpoint decides: Qwen3-VL's interleaved MRoPE and DeepStack layers. On the host,
+    bare: loaded here, before the loop wraps the model and the optimizer copies its parameters (as
+    :mod:`thdpack.hf.family`)."""
     directory = model.get("pretrained")
     if not directory:
-        raise ValueError("the qwen2_5_vl family needs model.pretrained (a Qwen2.5-VL Hugging Face directory)")
-    language_model = build_language_model(model, config, vocab_size, max_sequence_length, runtime)
-    loaded = load_language_model(language_model, directory)
+        raise ValueError(
+            "the vision-language families need model.pretrained (a Qwen2.5-VL or Qwen3-VL Hugging Face directory)"
+        )
+    hf = read_vl_config(directory)
+    family = vl_module(hf, f"{directory}/config.json")
+    language_model = build_language_model(
+        model,
+        config,
+        vocab_size,
+        max_sequence_length,
+        runtime,
+        mrope_interleaved=family.MROPE_INTERLEAVED,
+    )
+    loaded = family.load_language_model(language_model, directory)
     log.info("loaded %d language-model tensors of %s into this rank's model", loaded, directory)
-    visual = load_vision_tower(directory, dtype=torch.float32) if language_model.pre_process else None
+    visual = family.load_vision_tower(directory, dtype=torch.float32) if language_model.pre_process else None
     return VisionLanguageModel(
-        config, language_model, visual, freeze_vision=bool(model.get("freeze_vision", True))
+        config,
+        language_model,
+        visual,
+        freeze_vision=bool(model.get("freeze_vision", True)),
+        deepstack_layers=family.deepstack_layers(hf),
     )
 
+
+_MODEL_KEYS = (
+    "pretrained",
+    "freeze_vision",
+    "position_embedding_type",
+    "rotary_base",
+    "rope_scaling",
+    "share_embeddings_and_output_weights",
+)
 
 QWEN2_5_VL = ModelFamily(
     name="qwen2_5_vl",
     build=build_vlm,
     forward=vlm_forward,
-    model_keys=(
-        "pretrained",
-        "freeze_vision",
-        "position_embedding_type",
-        "rotary_base",
-        "rope_scaling",
-        "share_embeddings_and_output_weights",
-    ),
+    model_keys=_MODEL_KEYS,
+    transform=vlm_batch_transform,
+    carry_keys=VISION_KEYS,
+)
+
+QWEN3_VL = ModelFamily(
+    name="qwen3_vl",
+    build=build_vlm,
+    forward=vlm_forward,
+    model_keys=_MODEL_KEYS,
     transform=vlm_batch_transform,
     carry_keys=VISION_KEYS,
 )

@@ -86,6 +86,7 @@ def build_gpt_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     packed_mrope: bool = True,
+    mrope_interleaved: bool = False,
     **model_kwargs: Any,
 ) -> GPTModel:
     """A `GPTModel` (MoE when `config.num_moe_experts` is set) with the `backend` layer spec.
@@ -93,7 +94,8 @@ def build_gpt_model(
     `pre_process` / `post_process` default to this rank's pipeline stage; `model_kwargs` go to
     `GPTModel` (e.g. `rotary_base`, `share_embeddings_and_output_weights`, `pg_collection`).
     An MRoPE model gets `enable_packed_mrope` (correct per-token MRoPE on packed rows, also under CP)
-    unless `packed_mrope=False`.
+    unless `packed_mrope=False`; `mrope_interleaved` picks Qwen3-VL's frequency layout
+    (`thdpack.megatron.mrope.mrope_frequencies`).
     """
     if pre_process is None or post_process is None:
         from megatron.core import parallel_state
@@ -123,5 +125,9 @@ def build_gpt_model(
     )
     if position_embedding_type == "mrope" and packed_mrope:
         # Megatron's MRoPE is wrong on packed rows under CP; the hooks act on THD calls only.
-        enable_packed_mrope(model)
+        enable_packed_mrope(model, mrope_interleaved=mrope_interleaved)
+    elif mrope_interleaved:
+        raise ValueError(
+            "mrope_interleaved=True needs position_embedding_type='mrope' with packed_mrope=True"
+        )
     return model

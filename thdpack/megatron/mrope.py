@@ -78,6 +78,7 @@ def mrope_frequencies(
     mrope_section: Sequence[int],
     rotary_interleaved: bool = False,
     seq_len_interpolation_factor: float | None = None,
+    mrope_interleaved: bool = False,
 ) -> torch.Tensor:
     """Per-token MRoPE rotation angles, in Megatron's freqs layout.
 
@@ -89,6 +90,13 @@ def mrope_frequencies(
         rotary_interleaved: layout of the rotary dims, as Megatron's ``config.rotary_interleaved``:
             False = halves ``[f_0 .. f_{n-1}, f_0 .. f_{n-1}]``, True = pairs ``[f_0, f_0, f_1, f_1, ..]``.
         seq_len_interpolation_factor: ids are divided by it (linear position interpolation).
+        mrope_interleaved: which frequencies follow which axis. False (Qwen2-VL, Qwen2.5-VL): contiguous
+            sections, the first ``s_t`` frequencies temporal, the next ``s_h`` height, the last ``s_w`` width.
+            True (Qwen3-VL, its config's ``mrope_interleaved``): frequency ``j`` follows the height id when
+            ``j % 3 == 1`` and ``j < 3 * s_h``, the width id when ``j % 3 == 2`` and ``j < 3 * s_w``, else the
+            temporal id: transformers' ``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``
+            (models/qwen3_vl/modeling_qwen3_vl.py; ``apply_interleaved_mrope`` in 4.57), tested against it in
+            tests/unit/test_mrope.py.
 
     Returns:
         float32 ``[S, B, 1, rot_dim]``: row ``s`` is the angle of token ``s``, on ``position_ids``' device.
@@ -112,14 +120,23 @@ def mrope_frequencies(
     pos = position_ids.to(torch.float32)
     if seq_len_interpolation_factor is not None:
         pos = pos / seq_len_interpolation_factor
-    # Frequencies [0, s_t) follow the temporal id, the next s_h the height id, the last s_w the width id.
-    # Slices, not an index tensor: no host-to-device copy per call. A single fp32 product per element,
-    # bit-equal to Megatron's outer-product matmul (inner dim 1) on CPU.
-    parts, start = [], 0
-    for axis, n in enumerate(mrope_section):
-        parts.append(pos[axis, :, :, None] * inv_freq[start : start + n])
-        start += n
-    freqs = torch.cat(parts, dim=-1)  # [B, S, rot_dim // 2]
+    if mrope_interleaved:
+        # The axis of each frequency from an arange made on the device (no host-to-device copy); one fp32
+        # product per element, as transformers computes it.
+        j = torch.arange(half, device=position_ids.device)
+        height = ((j % 3) == 1) & (j < 3 * mrope_section[1])
+        width = ((j % 3) == 2) & (j < 3 * mrope_section[2])
+        by_axis = pos[:, :, :, None] * inv_freq  # [3, B, S, rot_dim // 2]
+        freqs = torch.where(height, by_axis[1], torch.where(width, by_axis[2], by_axis[0]))
+    else:
+        # Frequencies [0, s_t) follow the temporal id, the next s_h the height id, the last s_w the width id.
+        # Slices, not an index tensor: no host-to-device copy per call. A single fp32 product per element,
+        # bit-equal to Megatron's outer-product matmul (inner dim 1) on CPU.
+        parts, start = [], 0
+        for axis, n in enumerate(mrope_section):
+            parts.append(pos[axis, :, :, None] * inv_freq[start : start + n])
+            start += n
+        freqs = torch.cat(parts, dim=-1)  # [B, S, rot_dim // 2]
     if rotary_interleaved:
         emb = torch.repeat_interleave(freqs, 2, dim=-1)
     else:
@@ -134,7 +151,8 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
 
     Args mirror Megatron's module: ``kv_channels``, ``rotary_percent``, ``rotary_interleaved``,
     ``seq_len_interpolation_factor``, ``rotary_base``. ``device`` defaults to the current CUDA device when
-    there is one, else the CPU.
+    there is one, else the CPU. ``mrope_interleaved``: Qwen3-VL's frequency-to-axis layout
+    (:func:`mrope_frequencies`); megatron-core 0.16.1 has only the contiguous one.
     """
 
     def __init__(
@@ -145,6 +163,7 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         seq_len_interpolation_factor: float | None = None,
         rotary_base: int = 10000,
         device: torch.device | str | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
@@ -156,15 +175,19 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
         )
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.mrope_interleaved = mrope_interleaved
 
     @classmethod
-    def from_megatron(cls, module: nn.Module) -> PackedMultimodalRotaryEmbedding:
+    def from_megatron(
+        cls, module: nn.Module, mrope_interleaved: bool = False
+    ) -> PackedMultimodalRotaryEmbedding:
         """The same frequencies as an existing ``MultimodalRotaryEmbedding`` (its ``inv_freq`` is reused)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.inv_freq = module.inv_freq
         new.rotary_interleaved = module.rotary_interleaved
         new.seq_len_interpolation_factor = module.seq_len_interpolation_factor
+        new.mrope_interleaved = mrope_interleaved
         return new
 
     def forward(
@@ -183,6 +206,7 @@ class PackedMultimodalRotaryEmbedding(nn.Module):
             mrope_section,
             rotary_interleaved=self.rotary_interleaved,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            mrope_interleaved=self.mrope_interleaved,
         )
 
 
@@ -304,13 +328,14 @@ def _core_attention_pre_hook(config):
     return hook
 
 
-def enable_packed_mrope(model: nn.Module | Sequence[nn.Module]) -> int:
+def enable_packed_mrope(model: nn.Module | Sequence[nn.Module], mrope_interleaved: bool = False) -> int:
     """Make an MRoPE ``GPTModel`` (or its model chunks, possibly DDP/Float16Module-wrapped) correct on packed
     THD rows, with or without context parallelism. Idempotent; returns how many attention layers it hooked.
 
     Replaces ``rotary_pos_emb`` with :class:`PackedMultimodalRotaryEmbedding` and adds the two pre-hooks
     (see the module docstring) to every ``Attention`` of the model (MTP layers included). From then on the
     model expects the rank's own MRoPE ids ``[3, 1, T // cp]`` as ``position_ids`` on every pipeline stage.
+    ``mrope_interleaved``: Qwen3-VL's frequency-to-axis layout (:func:`mrope_frequencies`).
     Raises ``ValueError`` for a model that is not ``position_embedding_type="mrope"``.
     """
     from megatron.core.transformer.attention import Attention
@@ -329,6 +354,7 @@ def enable_packed_mrope(model: nn.Module | Sequence[nn.Module]) -> int:
             )
         if not isinstance(gpt.rotary_pos_emb, PackedMultimodalRotaryEmbedding):
             gpt.rotary_pos_emb = PackedMultimodalRotaryEmbedding.from_megatron(gpt.rotary_pos_emb)
+        gpt.rotary_pos_emb.mrope_interleaved = mrope_interleaved
         for module in gpt.modules():
             if not isinstance(module, Attention) or getattr(module, _HOOKED, None):
                 continue

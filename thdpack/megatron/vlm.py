@@ -15,7 +15,10 @@ Per micro-batch (first pipeline stage):
    image tokens: vision tokens need not divide evenly over CP ranks, and nothing is exchanged. A gather and a
    ``where``: no data-dependent shape, no host sync;
 4. with sequence parallelism the embeddings are then split over the TP group (Megatron's embedding would have
-   split them first), and ``GPTModel`` runs on them as ``decoder_input``.
+   split them first), and ``GPTModel`` runs on them as ``decoder_input``;
+5. a vision tower with DeepStack (Qwen3-VL) also gives one feature map per DeepStack layer ``[N, hidden]``: they
+   ride with the call to the first decoder layers, which add them at the image tokens
+   (:mod:`thdpack.megatron.deepstack`, with the same ``vision_index``).
 
 Gradients: the vision tower is frozen by default (``model.freeze_vision``: its forward runs without autograd);
 trained, each TP rank computes the same full gradient (the split in step 4 comes after the scatter), each CP rank
@@ -45,9 +48,13 @@ class VisionLanguageModel(MegatronModule):
         visual: the vision tower and merger (``pixel_values, grid_thw -> [N, hidden]`` image-token embeddings),
             None on stages without the embedding.
         freeze_vision: keep the vision tower's weights fixed (no gradient, no optimizer state).
+        deepstack_layers: DeepStack (Qwen3-VL): the vision tower also returns this many feature maps, added
+            after decoder layers 1..``deepstack_layers`` (:mod:`thdpack.megatron.deepstack`); 0: none.
     """
 
-    def __init__(self, config, language_model, visual=None, freeze_vision: bool = True):
+    def __init__(
+        self, config, language_model, visual=None, freeze_vision: bool = True, deepstack_layers: int = 0
+    ):
         super().__init__(config)
         self.language_model = language_model
         self.model_type = language_model.model_type  # Megatron's schedules read it off the wrapped model
@@ -67,6 +74,19 @@ class VisionLanguageModel(MegatronModule):
             embedding.reduce_scatter_embeddings = False
             embedding.word_embeddings.reduce_scatter_embeddings = False
             embedding.scatter_to_sequence_parallel = False
+        self.deepstack_layers = int(deepstack_layers)
+        if self.deepstack_layers:
+            from .deepstack import check_deepstack_placement, enable_deepstack
+
+            check_deepstack_placement(language_model, self.deepstack_layers, self.pre_process)
+            if not freeze_vision and config.recompute_granularity == "full":
+                # A recomputed layer would backpropagate into the vision graph on its own, before the
+                # embedding scatter's backward reaches the same graph (freed by then).
+                raise ValueError(
+                    "model.freeze_vision=false with full activation recomputation is not supported for a "
+                    "DeepStack model (Qwen3-VL): keep the vision tower frozen or use selective recomputation"
+                )
+            enable_deepstack(language_model, self.deepstack_layers)
 
     @property
     def share_embeddings_and_output_weights(self) -> bool:
@@ -91,7 +111,11 @@ class VisionLanguageModel(MegatronModule):
         ``pixel_values [P, D]``, ``image_grid_thw [I, 3]`` and ``vision_index`` ``[b, s]`` (this rank's tokens)."""
         decoder_input = None
         if self.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, vision_index)
+            decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, vision_index)
+            if deepstack:
+                from .deepstack import with_deepstack
+
+                packed_seq_params = with_deepstack(packed_seq_params, deepstack, vision_index)
             if padding_mask is not None and self.config.sequence_parallel:
                 from megatron.core import tensor_parallel
 
@@ -113,24 +137,43 @@ class VisionLanguageModel(MegatronModule):
             padding_mask=padding_mask,
         )
 
-    def image_embeddings(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]``: the vision tower's merged output, one row per image token, images in order."""
+    def image_embeddings(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``([N, hidden], [[N, hidden]] * deepstack_layers)``: the vision tower's merged output, one row per image
+        token, images in order, and its DeepStack feature maps in the same rows (none without DeepStack)."""
         dtype = next(self.visual.parameters()).dtype
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_vision):
             out = self.visual(pixel_values.to(dtype), grid_thw=image_grid_thw)
-        # transformers >= 5: a ModelOutput whose pooler_output is the merger's output; before: the tensor.
-        return getattr(out, "pooler_output", out)
+        # transformers >= 5: a ModelOutput whose pooler_output is the merger's output (and, for Qwen3-VL,
+        # deepstack_features the DeepStack mergers'); before: the tensor, or (merged, deepstack features).
+        if isinstance(out, tuple):
+            merged, deepstack = out
+        else:
+            merged = getattr(out, "pooler_output", out)
+            deepstack = getattr(out, "deepstack_features", None) or []
+        if len(deepstack) != self.deepstack_layers:
+            raise ValueError(
+                f"the vision tower returned {len(deepstack)} DeepStack feature maps but the model adds "
+                f"{self.deepstack_layers} (vision_config.deepstack_visual_indexes)"
+            )
+        return merged, list(deepstack)
 
-    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, vision_index=None) -> torch.Tensor:
+    def embed(
+        self, input_ids, pixel_values=None, image_grid_thw=None, vision_index=None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Token embeddings ``[s, b, hidden]`` with image embeddings at the image tokens (``[s / tp, b,
-        hidden]`` under sequence parallelism)."""
+        hidden]`` under sequence parallelism), and the micro-batch's DeepStack feature maps (``[N, hidden]``
+        each; none without images or without DeepStack)."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
+        deepstack = []
         if image_grid_thw is not None and image_grid_thw.numel():
             if vision_index is None:
                 raise ValueError(
                     "a micro-batch with images needs 'vision_index' (thdpack.data.collate writes it)"
                 )
-            images = self.image_embeddings(pixel_values, image_grid_thw).to(embeddings.dtype)
+            images, deepstack = self.image_embeddings(pixel_values, image_grid_thw)
+            images = images.to(embeddings.dtype)
             index = vision_index.transpose(0, 1)  # [s, b], as the embeddings
             rows = images[
                 (index - 1).clamp(min=0)
@@ -140,7 +183,7 @@ class VisionLanguageModel(MegatronModule):
             from megatron.core import tensor_parallel
 
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-        return embeddings
+        return embeddings, deepstack
 
 
 def _keep_vision_rotary_fp32(visual) -> None:
@@ -159,10 +202,18 @@ def _keep_vision_rotary_fp32(visual) -> None:
     rotary.register_forward_pre_hook(hook)
 
 
-def build_language_model(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime):
+def build_language_model(
+    model: Mapping,
+    config,
+    vocab_size: int,
+    max_sequence_length: int,
+    runtime,
+    mrope_interleaved: bool = False,
+):
     """This rank's ``GPTModel`` chunk of a vision-language model's language model (MRoPE, packed), random weights:
-    the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``) and Megatron's config. The
-    family that builds the whole model loads the checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
+    the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``) and Megatron's config;
+    ``mrope_interleaved``: Qwen3-VL's MRoPE frequency layout. The family that builds the whole model loads the
+    checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
     from .models import build_gpt_model
 
     return build_gpt_model(
@@ -171,6 +222,7 @@ def build_language_model(model: Mapping, config, vocab_size: int, max_sequence_l
         max_sequence_length,
         backend=runtime.backend,
         position_embedding_type="mrope",
+        mrope_interleaved=mrope_interleaved,
         rotary_base=float(model.get("rotary_base", 1000000.0)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
     )

@@ -1,4 +1,4 @@
-"""L1 Qwen2.5-VL parity under a parallel layout (torchrun, gloo on CPU): every rank computes transformers'
+"""L1 vision-language parity (Qwen2.5-VL or Qwen3-VL, as the directory's config.json says) under a parallel layout (torchrun, gloo on CPU): every rank computes transformers'
 reference on each sample alone, then thdpack's packed forward of the whole batch under the layout (CP: the
 vision tower on every rank, image embeddings scattered into each rank's zigzag shard; TP with sequence
 parallelism: scattered before the sequence split). Each rank compares the logits of its own tokens and checks the
@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.vlm_parity import (  # noqa: E402
     build,
+    hf_class,
     hf_reference,
     max_logit_difference,
     mixed_chats,
@@ -45,7 +46,6 @@ def main() -> None:
     cp, tp, sp = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False)
     os.environ["HF_HUB_OFFLINE"] = "1"
     from megatron.core import parallel_state as ps
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from thdpack.hf.processor import VLProcessor
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
@@ -69,7 +69,7 @@ def main() -> None:
     difference = max_logit_difference(reference, logits, where)
 
     # The MRoPE ids this rank's tokens carry are transformers' get_rope_index ids at their sample positions.
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.directory).model
+    hf = hf_class(args.directory).from_pretrained(args.directory).model
     takes_types = "mm_token_type_ids" in inspect.signature(hf.get_rope_index).parameters
     expected_ids = []
     for s in batch:
