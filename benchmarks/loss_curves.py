@@ -176,10 +176,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--label")
     parser.add_argument("extra", nargs="*", help="recipe overrides for every variant")
     args = parser.parse_args(argv)
-    names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    kinds = args.variants.split(",")
+    unknown = [n for n in kinds if n not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    # a variant given again is a second run of it (its run-to-run spread): bf16, bf16_2, ...
+    names = [k if kinds[:i].count(k) == 0 else f"{k}_{kinds[:i].count(k) + 1}" for i, k in enumerate(kinds)]
+    recipe = dict(zip(names, kinds, strict=True))
 
     import torch
 
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> Path:
     procs = {}
     for i, name in enumerate(names):
         procs[name] = start(
-            name, [*common, *VARIANTS[name]], args.work, gpus[i % len(gpus)] if on_gpu else None
+            name, [*common, *VARIANTS[recipe[name]]], args.work, gpus[i % len(gpus)] if on_gpu else None
         )
         print(f"== {name} on GPU {gpus[i % len(gpus)]}" if on_gpu else f"== {name}", flush=True)
     codes = {name: proc.wait() for name, (proc, _) in procs.items()}
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> Path:
         "versions": versions(),
         "setup": {
             "model": args.model,
-            "variants": {n: VARIANTS[n] for n in names},
+            "variants": {n: VARIANTS[recipe[n]] for n in names},
             "common_overrides": common,
             "steps": args.steps,
             "window": args.window,
