@@ -104,6 +104,32 @@ def pack_row(batch: dict) -> dict:
     }
 
 
+def microbatch_loss(
+    model, row: dict, scale: torch.Tensor, device: torch.device, varlen: bool
+) -> torch.Tensor:
+    """The micro-batch's summed token loss over ``scale`` (fp32, on the device: the step's count of targets over
+    the world size). The model returns the sum (``num_items_in_batch=1``) and the division happens here, outside
+    the model call: FSDP2's ``MixedPrecisionPolicy`` casts every floating tensor argument of the call to the
+    parameters' bf16, and a count given as ``num_items_in_batch`` would lose its low bits (31,873 becomes
+    31,872)."""
+    kwargs = {}
+    if varlen:
+        cu = row["cu_seq_lens"].to(device, non_blocking=True)
+        kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=row["max_length"])
+        kwargs["max_length_k"] = row["max_length"]
+    labels = row["shift_labels"].to(device, non_blocking=True)
+    out = model(
+        input_ids=row["input_ids"].to(device, non_blocking=True),
+        position_ids=row["position_ids"].to(device, non_blocking=True),
+        labels=labels,
+        shift_labels=labels,
+        num_items_in_batch=1,
+        use_cache=False,
+        **kwargs,
+    )
+    return out.loss.float() / scale
+
+
 def apply_liger(model_type: str) -> str:
     """Liger's kernels for ``model_type``, patched into transformers' classes before the model is built."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen3_moe
@@ -196,23 +222,9 @@ def main(job_path: Path) -> None:
         loss_sum = torch.zeros((), device=device)
         for i, row in enumerate(rows):
             model.set_requires_gradient_sync(job["hf_sync_each_microbatch"] or i == len(rows) - 1)
-            kwargs = {}
-            if attention == "varlen":
-                cu = row["cu_seq_lens"].to(device, non_blocking=True)
-                kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=row["max_length"])
-                kwargs["max_length_k"] = row["max_length"]
-            labels = row["shift_labels"].to(device, non_blocking=True)
-            out = model(
-                input_ids=row["input_ids"].to(device, non_blocking=True),
-                position_ids=row["position_ids"].to(device, non_blocking=True),
-                labels=labels,
-                shift_labels=labels,
-                num_items_in_batch=scale,
-                use_cache=False,
-                **kwargs,
-            )
-            out.loss.backward()
-            loss_sum += out.loss.detach()
+            loss = microbatch_loss(model, row, scale, device, varlen=attention == "varlen")
+            loss.backward()
+            loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job["clip_grad"])
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         optimizer.step()

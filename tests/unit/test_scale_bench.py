@@ -190,3 +190,41 @@ def test_comparison_pairs_each_thdpack_layout_with_transformers_at_its_world_siz
     rows = scale.compare(runs)
     assert [(r["layout"], r["speedup"]) for r in rows] == [("dp", 3.0), ("tp2", 2.0)]
     assert scale.headline(runs, rows)["best_thdpack_layout"] == "dp"
+
+
+def test_the_fsdp2_bf16_side_divides_by_the_exact_count(tiny_llama, tmp_path):
+    """FSDP2's bf16 MixedPrecisionPolicy casts floating call arguments to bf16: the step's count of targets must
+    not go through the model call (31,873 in bf16 is 31,872, a 3e-5 error in the loss and every gradient)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AttentionInterface, LlamaForCausalLM
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        AttentionInterface.register(scale_hf.VARLEN, scale_hf.varlen_attention)
+        tiny_llama._attn_implementation = scale_hf.VARLEN
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy)
+        batch = {
+            "tokens": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]]),
+            "labels": torch.tensor([[6, 7, 8, -100], [10, 11, -100, -100]]),
+            "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+        }
+        row = scale_hf.pack_row(batch)
+        count = torch.tensor(31873.0)
+        assert count.to(torch.bfloat16).item() != count.item()  # the case the cast would spoil
+        cpu = torch.device("cpu")
+        with torch.no_grad():
+            total = scale_hf.microbatch_loss(model, row, torch.tensor(1.0), cpu, varlen=True)
+            loss = scale_hf.microbatch_loss(model, row, count, cpu, varlen=True)
+        assert loss.dtype == torch.float32
+        assert loss.item() == (total / count).item()
+        assert loss.item() != (total / count.to(torch.bfloat16).float()).item()
+    finally:
+        if started:
+            dist.destroy_process_group()
