@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["cache_root", "write_entry"]
+__all__ = ["cache_root", "read_entry", "write_entry"]
 
 
 def cache_root() -> Path:
@@ -35,3 +35,13 @@ def write_entry(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
         os.replace(tmp, path)
     except OSError:  # another process renamed its copy first; both are identical
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_entry(path: Path, mapped: tuple[str, ...] = ()) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and ``meta.json`` of the cache folder ``path`` (:func:`write_entry`); the arrays named in
+    ``mapped`` memory-mapped read-only, the others read whole."""
+    arrays = {
+        file.stem: np.load(file, mmap_mode="r" if file.stem in mapped else None)
+        for file in sorted(path.glob("*.npy"))
+    }
+    return arrays, json.loads((path / "meta.json").read_text())

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import json
 import os
 import sys
 import sysconfig
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import cache_root, write_entry
+from .cache import cache_root, read_entry, write_entry
 from .samples import Sample, format_length_stats, length_stats
 from .tokenizer import ByteTokenizer, build_tokenizer
 
@@ -148,12 +147,10 @@ class EmbeddedDataset:
         return time.perf_counter() - start
 
     def _load(self) -> None:
-        path = self.cache_path
-        self._tokens = np.load(path / "tokens.npy", mmap_mode="r")
-        self._offsets = np.load(path / "offsets.npy")
-        self._doc_file = np.load(path / "doc_file.npy")
-        self._doc_line = np.load(path / "doc_line.npy")
-        self.skipped_files = json.loads((path / "meta.json").read_text())["skipped_files"]
+        arrays, meta = read_entry(self.cache_path, mapped=("tokens",))
+        self._tokens, self._offsets = arrays["tokens"], arrays["offsets"]
+        self._doc_file, self._doc_line = arrays["doc_file"], arrays["doc_line"]
+        self.skipped_files = meta["skipped_files"]
         self.lengths = np.diff(self._offsets)
 
     def __len__(self) -> int:

@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from .cache import write_entry
+from .cache import read_entry, write_entry
 from .embedded import cache_entry, read_stdlib
 from .jsonl_records import tokenize_record
 from .samples import Sample, length_stats
@@ -177,15 +177,10 @@ class EmbeddedSFTDataset:
         return time.perf_counter() - start
 
     def _load(self) -> None:
-        import json
-
-        path = self.cache_path
-        self._tokens = np.load(path / "tokens.npy", mmap_mode="r")
-        self._targets = np.load(path / "targets.npy", mmap_mode="r")
-        self._offsets = np.load(path / "offsets.npy")
-        self._pair_file = np.load(path / "pair_file.npy")
-        self._pair_line = np.load(path / "pair_line.npy")
-        self.skipped_files = json.loads((path / "meta.json").read_text())["skipped_files"]
+        arrays, meta = read_entry(self.cache_path, mapped=("tokens", "targets"))
+        self._tokens, self._targets, self._offsets = arrays["tokens"], arrays["targets"], arrays["offsets"]
+        self._pair_file, self._pair_line = arrays["pair_file"], arrays["pair_line"]
+        self.skipped_files = meta["skipped_files"]
         self.lengths = np.diff(self._offsets)
 
     def __len__(self) -> int:
