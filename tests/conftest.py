@@ -14,3 +14,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def one_rank_megatron(tmp_path_factory):
+    """One process as a whole world (gloo) with Megatron's parallel state, for a test module's in-process model
+    runs (``thdpack.megatron.cpu``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from thdpack.megatron import cpu
+
+    # A process group left behind by another test is a leak in that test: fail here rather than skip.
+    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    cpu.initialize_model_parallel_cpu(seed=1234)
+    yield
+    cpu.destroy_model_parallel_cpu()

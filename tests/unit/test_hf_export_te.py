@@ -18,21 +18,6 @@ pytestmark = [pytest.mark.cpu_only]
 LAYERS, EXPERTS = 2, 4
 
 
-@pytest.fixture(scope="module")
-def one_rank_megatron(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from thdpack.megatron import cpu
-
-    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-
-
 def te_sharded_state(gpt) -> dict:
     """What a TE-spec Qwen3-MoE run with ``moe_grouped_gemm=true`` saves (thdpack.megatron.checkpoint), built
     from ``gpt`` (local spec, one rank) and megatron-core 0.16.1's code:

@@ -26,21 +26,6 @@ LOGIT_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def one_rank_megatron(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from thdpack.megatron import cpu
-
-    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-
-
-@pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {family: save_model(family, root / family) for family in FAMILIES}

@@ -300,22 +300,6 @@ def test_per_token_rotary_rejects_freqs_of_other_tokens():
 MODEL_SECTION = [1, 1, 2]  # kv_channels 8
 
 
-@pytest.fixture(scope="module")
-def one_rank_megatron(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from thdpack.megatron import cpu
-
-    # A process group left behind by another test is a leak in that test: fail here rather than skip.
-    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-
-
 def tiny_mrope_gpt(vocab: int = 64):
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -22,23 +22,8 @@ from thdpack.hf.processor import VLProcessor
 SEQ = 256
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from thdpack.megatron import cpu
-
-    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-
-
 @pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen3_vl"], ids=["qwen2_5_vl", "qwen3_vl"])
-def case(request, one_rank):
+def case(request, one_rank_megatron):
     directory = request.getfixturevalue(request.param)
     batch = samples(VLProcessor(directory), mixed_chats())
     reference = hf_reference(directory, batch)
@@ -72,7 +57,7 @@ def test_first_step_loss_equals_transformers(case):
 
 
 @pytest.fixture(scope="module")
-def qwen3_inputs(tiny_qwen3_vl, one_rank):  # noqa: F811
+def qwen3_inputs(tiny_qwen3_vl, one_rank_megatron):  # noqa: F811
     batch = samples(VLProcessor(tiny_qwen3_vl), mixed_chats())
     return tiny_qwen3_vl, batch, hf_reference(tiny_qwen3_vl, batch)
 
