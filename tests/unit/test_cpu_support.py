@@ -1,8 +1,5 @@
 """thdpack.megatron.cpu: megatron-core GPT and MoE models run forward and backward on CPU (gloo world of 1)."""
 
-import os
-import socket
-
 import megatron.core
 import pytest
 import torch
@@ -13,31 +10,7 @@ from megatron.core.transformer import TransformerConfig
 
 from thdpack.megatron import cpu
 
-pytestmark = pytest.mark.cpu_only
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo_world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("one_rank_megatron")]
 
 
 def tiny_gpt(**overrides) -> GPTModel:

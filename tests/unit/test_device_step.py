@@ -3,40 +3,12 @@ device, run on CPU tensors (gloo world of one) against Megatron's own step on a 
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
-from thdpack.megatron import cpu
 from thdpack.megatron.device_step import OptimizerStep
 
-pytestmark = pytest.mark.cpu_only
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo_world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("one_rank_megatron")]
 
 
 def _model_and_optimizer(clip_grad: float = 1.0):

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -114,32 +112,6 @@ def test_start_up_check_names_the_key(model, tp, device, message):
 # --- on a megatron-core GPTModel -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gloo_world_of_one():
-    from thdpack.megatron import cpu
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
-
-
 def _gpt(tied: bool, fused: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -169,7 +141,7 @@ def _gpt(tied: bool, fused: bool):
     return model
 
 
-@pytest.mark.usefixtures("gloo_world_of_one")
+@pytest.mark.usefixtures("one_rank_megatron")
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_gpt_loss_and_gradients_equal_megatrons_output_layer_and_loss(tied):
     from thdpack.megatron.loss import LM_LOSS
@@ -200,7 +172,7 @@ def test_gpt_loss_and_gradients_equal_megatrons_output_layer_and_loss(tied):
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.usefixtures("gloo_world_of_one")
+@pytest.mark.usefixtures("one_rank_megatron")
 def test_gpt_without_labels_returns_megatrons_logits():
     model = _gpt(tied=False, fused=True)
     tokens = torch.randint(0, 64, (1, 8))
