@@ -308,6 +308,14 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
     from thdpack.megatron.models import build_gpt_model
 
+    from .vl_checkpoint import is_vl_config
+
+    if is_vl_config(read_hf_config(hf_dir)):
+        raise ValueError(
+            f"{Path(hf_dir) / 'config.json'}: a vision-language run; load_checkpoint_model rebuilds text models "
+            "only (export it with export_checkpoint, or load the checkpoint into the model thdpack.hf.vlm_family "
+            "builds)"
+        )
     tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
     config, tied, model = _run_config(hf_dir)
     if not dist.is_initialized():
