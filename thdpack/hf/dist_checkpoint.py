@@ -21,7 +21,10 @@ What the checkpoint holds, from megatron-core 0.16.1's ``sharded_state_dict`` co
   the optimizer's tensors (``optimizer.*``); scheduler and thdpack's own entries live in ``common.pt``.
 
 Only model tensors are read (the optimizer's are about three times their size). Names are returned as one model
-holding every layer and expert would have them; :mod:`thdpack.hf.mapping` takes either spec's names.
+holding every layer and expert would have them; :mod:`thdpack.hf.mapping` takes either spec's names. A model that
+wraps the ``GPTModel`` (:class:`thdpack.megatron.vlm.VisionLanguageModel`) saves it under ``language_model.``:
+its layers are stacked the same way behind that prefix; the wrapper's other modules (the vision tower, a plain
+``torch.nn.Module``) save one whole tensor per parameter under their own names (``visual.blocks.0.attn.qkv.weight``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,17 @@ __all__ = ["checkpoint_tensors", "model_tensor_keys", "unstacked_name", "whole_e
 
 _LAYERS = "decoder.layers."
 _STACKED_EXPERTS = "mlp.experts.experts."
-_PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+# Where a GPTModel's own names start: the model itself, or the language model of a vision-language wrapper.
+_GPT_PREFIXES = ("", "language_model.")
+_PER_LAYER = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.")
+
+
+def _layers_prefix(key: str) -> str | None:
+    """``decoder.layers.`` behind the GPTModel prefix ``key`` starts with, None for a key outside any decoder."""
+    for prefix in _GPT_PREFIXES:
+        if key.startswith(prefix + _LAYERS):
+            return prefix + _LAYERS
+    return None
 
 
 def _is_model_tensor(key: str) -> bool:
@@ -50,9 +63,10 @@ def _is_model_tensor(key: str) -> bool:
 def _stacked_axes(key: str) -> tuple[str, ...]:
     """The leading axes of a checkpoint tensor that stack layers and experts, outermost first."""
     axes = []
-    if key.startswith(_LAYERS) and not _PER_LAYER.match(key):
+    layers = _layers_prefix(key)
+    if layers and not _PER_LAYER.match(key):
         axes.append("layer")
-    if key.startswith(_LAYERS) and _STACKED_EXPERTS in key:
+    if layers and _STACKED_EXPERTS in key:
         axes.append("expert")
     return tuple(axes)
 
@@ -60,11 +74,13 @@ def _stacked_axes(key: str) -> tuple[str, ...]:
 def unstacked_name(key: str, index: tuple[int, ...]) -> str:
     """The model's name of entry ``index`` (along :func:`_stacked_axes`) of the checkpoint tensor ``key``:
     ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` at ``(3, 5)`` is
-    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``."""
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``; ``language_model.decoder.layers.X`` at
+    ``(1,)`` is ``language_model.decoder.layers.1.X``."""
     axes = dict(zip(_stacked_axes(key), index, strict=True))
     name = key
     if "layer" in axes:
-        name = f"{_LAYERS}{axes['layer']}.{name.removeprefix(_LAYERS)}"
+        layers = _layers_prefix(key)
+        name = f"{layers}{axes['layer']}.{name.removeprefix(layers)}"
     if "expert" in axes:
         name = name.replace(_STACKED_EXPERTS, f"mlp.experts.local_experts.{axes['expert']}.", 1)
     return name

@@ -1,15 +1,23 @@
 """A thdpack training checkpoint as a Hugging Face directory: ``python -m thdpack.export CHECKPOINT_DIR OUT_DIR``.
 
 A run with ``model.pretrained`` keeps, beside its checkpoints, ``CHECKPOINT_DIR/hf/``: the imported
-``config.json``, the tokenizer files, and ``thdpack.json`` (the run's model group and precision). The export
+``config.json``, the tokenizer and processor files, and ``thdpack.json`` (the run's model group and precision);
+a vision-language run also ``source_tensors.json`` (the source's tensor names, dtypes, shapes). The export
 reads the model's tensors straight from the distributed checkpoint with ``torch.distributed.checkpoint``
-(:mod:`thdpack.hf.dist_checkpoint`: whole tensors whatever tensor, pipeline and expert parallel layout the run
-saved with, and whichever layer spec it trained with: local or Transformer Engine, sequential or grouped-GEMM
-experts), maps them with :mod:`thdpack.hf.mapping` and writes ``config.json``, safetensors shards with
-``model.safetensors.index.json``, and the tokenizer files. No model is built. The tensors keep the
-checkpoint's dtype and bits.
+(:mod:`thdpack.hf.dist_checkpoint`: whole tensors whatever tensor, pipeline, context and expert parallel layout
+the run saved with, and whichever layer spec it trained with: local or Transformer Engine, sequential or
+grouped-GEMM experts), maps them with :mod:`thdpack.hf.mapping` and writes ``config.json``, safetensors shards
+with ``model.safetensors.index.json``, and the tokenizer and processor files. No model is built. The tensors keep
+the checkpoint's dtype and bits.
 
-Checked with transformers 5.24.0 (CPU) and 5.17 (GPU host): ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``.
+Vision-language runs (Qwen2.5-VL, Qwen3-VL; :mod:`thdpack.hf.vl_export`): the language model through the same
+mapping, the vision tower (transformers' module, frozen or trained) as the checkpoint holds it, every tensor
+under the name the source directory gave it (``model.layers.*`` / ``visual.*`` or ``model.language_model.*`` /
+``model.visual.*``), exactly the source's set of tensors.
+
+Checked with transformers 5.24.0 (CPU) and 5.17 (GPU host): ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``;
+for VL runs, on CPU with 5.24.0, ``AutoModelForImageTextToText.from_pretrained(OUT_DIR)`` with no missing or
+unexpected keys.
 """
 
 from __future__ import annotations
@@ -33,11 +41,13 @@ from .load import load_weights, never_predict_padding, set_rotary_frequencies
 from .mapping import VOCAB, Dims, active_rules, expected_hf_names, features, match_name, megatron_to_hf, to_hf
 
 __all__ = [
+    "PROCESSOR_FILES",
     "TOKENIZER_FILES",
     "checkpoint_hf_tensors",
     "export_checkpoint",
     "hf_state",
     "keep_with_checkpoint",
+    "gpt_hf_tensors",
     "main",
     "write_hf_directory",
 ]
@@ -56,19 +66,29 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+# A vision-language directory's processor (thdpack.hf.processor reads the image processor; transformers'
+# AutoProcessor the rest): copied as they are too.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 def keep_with_checkpoint(checkpoint_dir: str | Path, model: Mapping[str, Any], precision: str) -> Path:
-    """Copy ``model.pretrained``'s config.json and tokenizer files to ``checkpoint_dir/hf/`` with
+    """Copy ``model.pretrained``'s config.json, tokenizer and processor files to ``checkpoint_dir/hf/`` with
     ``thdpack.json`` (the resolved model group and the run's precision): what an export needs to rebuild the
-    model. Call it on one rank."""
+    model. A vision-language source also leaves the names, dtypes and shapes of its tensors
+    (:data:`thdpack.hf.vl_export.SOURCE_TENSORS`): the export writes the same. Call it on one rank."""
+    from .vl_checkpoint import is_vl_config
+
     source = Path(model["pretrained"])
     target = Path(checkpoint_dir) / HF_SUBDIR
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", *TOKENIZER_FILES):
+    for name in ("config.json", *TOKENIZER_FILES, *PROCESSOR_FILES):
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
+    if is_vl_config(json.loads((source / "config.json").read_text())):
+        from .vl_export import write_source_tensor_record
+
+        write_source_tensor_record(source, target)
     if hasattr(model, "_metadata"):  # an OmegaConf node (the recipe's group)
         from omegaconf import OmegaConf
 
@@ -102,7 +122,7 @@ def write_hf_directory(
 ) -> Path:
     """Write ``config.json`` (``hf_config`` with ``dtype`` set to the tensors'), ``model-0000i-of-0000n``
     safetensors shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own),
-    ``model.safetensors.index.json``, and the tokenizer files found in ``files_from``."""
+    ``model.safetensors.index.json``, and the tokenizer and processor files found in ``files_from``."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -131,13 +151,16 @@ def write_hf_directory(
     dtypes = {t.dtype for t in tensors.values()}
     config = {k: v for k, v in hf_config.items() if not k.startswith("_")}
     if len(dtypes) == 1:
+        from .vl_export import vl_config_dtype
+
         dtype = str(dtypes.pop()).removeprefix("torch.")
+        config = vl_config_dtype(config, dtype)
         config["dtype"] = dtype
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if files_from is not None:
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, *PROCESSOR_FILES):
             if (Path(files_from) / name).is_file():
                 shutil.copyfile(Path(files_from) / name, out / name)
     return out
@@ -201,39 +224,56 @@ def checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> dict
     tensor the checkpoint does not give, stops it, naming both."""
     iteration_dir = Path(iteration_dir)
     config, tied, _ = _run_config(hf_dir)
-    hf_config = read_hf_config(hf_dir)
+    vocab = int(read_hf_config(hf_dir)["vocab_size"])
     rules = active_rules(features(config, tied))
-    dims = Dims(
-        config.num_attention_heads,
-        config.num_query_groups or config.num_attention_heads,
-        config.kv_channels,
-        int(hf_config["vocab_size"]),
-    )
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in checkpoint_tensors(iteration_dir).items():
-        m = match_name(name, rules)
-        if m is None:
-            raise ValueError(
-                f"{iteration_dir}: the checkpoint's tensor '{name}' has no Hugging Face counterpart in "
-                f"thdpack.hf.mapping.RULES for this model ({Path(hf_dir) / 'thdpack.json'})"
-            )
-        if m.rule.kind == VOCAB and tensor.shape[0] < dims.vocab:
-            raise ValueError(
-                f"{iteration_dir}: '{name}' has {tensor.shape[0]} rows but config.json's vocab_size is "
-                f"{dims.vocab}: the checkpoint is not of this model"
-            )
-        for hf_name, part in zip(m.hf_names, to_hf(m.rule.kind, tensor, dims), strict=True):
-            if hf_name in out:
-                raise ValueError(
-                    f"{iteration_dir}: two checkpoint tensors give '{hf_name}' (one is '{name}')"
-                )
-            out[hf_name] = part
+    out = gpt_hf_tensors(checkpoint_tensors(iteration_dir), config, tied, vocab, iteration_dir, hf_dir)
     missing = sorted(expected_hf_names(rules, config.num_layers, config.num_moe_experts or 0) - set(out))
     if missing:
         raise ValueError(
             f"{iteration_dir}: the checkpoint gives no tensor for {len(missing)} Hugging Face tensors of this "
             f"model, e.g. {missing[:4]}"
         )
+    return out
+
+
+def gpt_hf_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    config,
+    tied: bool,
+    vocab: int,
+    iteration_dir,
+    hf_dir,
+    prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """The HF tensors (text-model names) of a ``GPTModel``'s checkpoint ``tensors`` (names as
+    :func:`~thdpack.hf.dist_checkpoint.checkpoint_tensors` gives them; ``prefix``: the GPTModel's, as written in
+    errors). A tensor without an HF counterpart, or two giving one HF tensor, stops it, naming them."""
+    rules = active_rules(features(config, tied))
+    dims = Dims(
+        config.num_attention_heads,
+        config.num_query_groups or config.num_attention_heads,
+        config.kv_channels,
+        vocab,
+    )
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        m = match_name(name, rules)
+        if m is None:
+            raise ValueError(
+                f"{iteration_dir}: the checkpoint's tensor '{prefix}{name}' has no Hugging Face counterpart in "
+                f"thdpack.hf.mapping.RULES for this model ({Path(hf_dir) / 'thdpack.json'})"
+            )
+        if m.rule.kind == VOCAB and tensor.shape[0] < dims.vocab:
+            raise ValueError(
+                f"{iteration_dir}: '{prefix}{name}' has {tensor.shape[0]} rows but config.json's vocab_size is "
+                f"{dims.vocab}: the checkpoint is not of this model"
+            )
+        for hf_name, part in zip(m.hf_names, to_hf(m.rule.kind, tensor, dims), strict=True):
+            if hf_name in out:
+                raise ValueError(
+                    f"{iteration_dir}: two checkpoint tensors give '{hf_name}' (one is '{prefix}{name}')"
+                )
+            out[hf_name] = part
     return out
 
 
@@ -268,6 +308,14 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
     from thdpack.megatron.models import build_gpt_model
 
+    from .vl_checkpoint import is_vl_config
+
+    if is_vl_config(read_hf_config(hf_dir)):
+        raise ValueError(
+            f"{Path(hf_dir) / 'config.json'}: a vision-language run; load_checkpoint_model rebuilds text models "
+            "only (export it with export_checkpoint, or load the checkpoint into the model thdpack.hf.vlm_family "
+            "builds)"
+        )
     tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
     config, tied, model = _run_config(hf_dir)
     if not dist.is_initialized():
@@ -298,9 +346,16 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Export ``checkpoint`` (a run's checkpoint.dir or one of its iteration directories) to ``out_dir``."""
+    from .vl_checkpoint import is_vl_config
+
     iteration_dir, hf_dir = resolve_checkpoint(checkpoint, iteration)
     hf_config = read_hf_config(hf_dir)
-    tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
+    if is_vl_config(hf_config):
+        from .vl_export import vl_checkpoint_hf_tensors
+
+        tensors = vl_checkpoint_hf_tensors(iteration_dir, hf_dir)
+    else:
+        tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
     return write_hf_directory(out_dir, tensors, hf_config, hf_dir, max_shard_bytes)
 
 
@@ -308,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m thdpack.export",
         description="Write a thdpack checkpoint of a run that imported a Hugging Face model as a Hugging Face "
-        "directory (config.json, safetensors shards with index, tokenizer files).",
+        "directory (config.json, safetensors shards with index, tokenizer and processor files).",
     )
     parser.add_argument(
         "checkpoint", help="the run's checkpoint.dir (its latest checkpoint) or an iter_XXXXXXX dir"

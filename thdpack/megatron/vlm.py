@@ -92,6 +92,11 @@ class VisionLanguageModel(MegatronModule):
     def share_embeddings_and_output_weights(self) -> bool:
         return self.language_model.share_embeddings_and_output_weights
 
+    @property
+    def vocab_size(self) -> int:
+        """The language model's padded vocabulary (what a checkpoint records, as for a bare ``GPTModel``)."""
+        return self.language_model.vocab_size
+
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 

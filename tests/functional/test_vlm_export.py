@@ -1,0 +1,167 @@
+"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL or Qwen3-VL directory> dataset=embedded_vlm
+checkpoint.dir=CKPT`` (two steps, vision tower frozen), then ``python -m thdpack.export CKPT OUT``: transformers loads
+OUT with no missing or unexpected key, under the source's names; its logits on a text-only, a one-image and a
+two-image sample equal those of thdpack's model loaded from the checkpoint by megatron-core itself; a Qwen3-VL run
+under TP2 exports what the one-rank run exports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.vlm_models import build_tiny_vl
+
+from .training import REPO_ROOT, environment, run_train, tail
+
+pytestmark = [
+    pytest.mark.functional,
+    pytest.mark.cpu_only,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+SEQ = 512
+VL = (
+    "dataset=embedded_vlm",
+    "dataset.vlm.num_samples=16",
+    "dataset.vlm.max_side=112",
+    f"dataset.seq_length={SEQ}",
+    "dataset.global_batch_size=4",
+    "trainer.seed=1234",
+    "trainer.train_iters=2",
+    "trainer.lr_warmup_iters=0",
+)
+
+
+def train_and_export(source, root, *overrides, nproc: int = 1):
+    """``(checkpoint dir, exported dir)`` of a two-step run on ``source`` and its export."""
+    run_train(
+        ["model=hf", f"model.pretrained={source}", *VL, f"checkpoint.dir={root / 'ckpt'}", *overrides],
+        root / "run",
+        nproc=nproc,
+        timeout=300,
+    ).check()
+    out = root / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "thdpack.export", str(root / "ckpt"), str(out)],
+        cwd=REPO_ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    if done.returncode:
+        pytest.fail(
+            f"python -m thdpack.export exited with {done.returncode}\n{tail(done.stdout + done.stderr)}"
+        )
+    return root / "ckpt", out
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def exported(request, tmp_path_factory):
+    """``(source dir, checkpoint dir, exported dir)``."""
+    root = tmp_path_factory.mktemp(request.param)
+    source = build_tiny_vl(root / "source", family=request.param)
+    return (source, *train_and_export(source, root))
+
+
+def tensors(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(directory.glob("model*.safetensors")):
+        out |= load_file(str(file))
+    return out
+
+
+def test_transformers_loads_the_export_under_the_sources_names_with_trained_text_and_the_frozen_tower(
+    exported,
+):
+    from transformers import AutoModelForImageTextToText
+
+    source, _, out = exported
+    _, info = AutoModelForImageTextToText.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info.values()), info
+    before, after = tensors(source), tensors(out)
+    assert sorted(after) == sorted(before)
+    assert {n: t.dtype for n, t in after.items()} == {n: t.dtype for n, t in before.items()}
+    vision = [n for n in before if n.startswith(("visual.", "model.visual."))]
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision)  # frozen: bit for bit
+    moved = {n: float((after[n] - before[n]).abs().max()) for n in before if n not in vision}
+    print(f"text tensors moved by training: {sum(v > 0 for v in moved.values())} of {len(moved)}")
+    assert all(v > 0 for v in moved.values()), [n for n, v in moved.items() if v == 0]
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from thdpack.megatron import cpu
+
+    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    cpu.initialize_model_parallel_cpu(seed=1234)
+    yield
+    cpu.destroy_model_parallel_cpu()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
+    from megatron.core import dist_checkpointing
+
+    from tests.vlm_parity import build, hf_reference, max_logit_difference, mixed_chats, model_group, samples
+    from thdpack.hf.processor import VLProcessor
+
+    source, ckpt, out = exported
+    group = model_group(source, SEQ)
+    parallel = dict.fromkeys(
+        (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ),
+        1,
+    )
+    model, _ = build(source, group, parallel, SEQ)  # the source's weights, replaced by the checkpoint's
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt / "iter_0000002"))
+    model.load_state_dict(
+        loaded["model"]
+    )  # megatron-core's own load: the trained weights, independent of the export
+
+    from tests.vlm_parity import thdpack_forward
+
+    batch = samples(VLProcessor(out), mixed_chats())
+    logits, where, loss_sum, count = thdpack_forward(model, batch, SEQ)
+    reference = hf_reference(out, batch)
+    difference = max_logit_difference(reference, logits, where)
+    print(f"max |logit difference| {difference:.3g}; loss thdpack {loss_sum / count:.8f} "
+          f"transformers {reference.loss_sum / reference.loss_count:.8f}")  # fmt: skip
+    assert difference <= 1e-4
+    assert loss_sum / count == pytest.approx(reference.loss_sum / reference.loss_count, abs=1e-4)
+    untrained = hf_reference(source, batch)
+    assert abs(untrained.loss_sum - reference.loss_sum) > 1e-4  # the checkpoint is the trained model
+
+
+def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
+    source, _, out = exported
+    if "qwen3" not in source.parent.name:
+        pytest.skip("one family is enough for the layout: Qwen3-VL (DeepStack, q/k norms)")
+    _, tp2 = train_and_export(source, tmp_path, "parallel=tp2", nproc=2)
+    one, two, before = tensors(out), tensors(tp2), tensors(source)
+    assert sorted(two) == sorted(one)
+    assert {n: t.dtype for n, t in two.items()} == {n: t.dtype for n, t in one.items()}
+    difference = {n: float((two[n] - one[n]).abs().max()) for n in one}
+    moved = {n: float((one[n] - before[n]).abs().max()) for n in one}
+    worst = max(difference, key=difference.get)
+    print(f"TP2 against one rank: max |difference| {difference[worst]:.3g} ({worst}); training moved the text "
+          f"tensors by up to {max(moved.values()):.3g}")  # fmt: skip
+    vision = [n for n in one if n.startswith("model.visual.")]
+    assert vision and [n for n in vision if not torch.equal(one[n], two[n])] == []
+    # Adam turns the last bits of TP2's gradient sums into ~1e-5 here; a misplaced shard would be ~1e-1.
+    assert difference[worst] <= 5e-5
