@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from .checkpoint_hf import checkpoint_hf_tensors, gpt_hf_tensors, run_config
 from .config import read_hf_config
-from .dist_checkpoint import checkpoint_tensors
 from .load import load_weights, never_predict_padding, set_rotary_frequencies
-from .mapping import VOCAB, Dims, active_rules, expected_hf_names, features, match_name, megatron_to_hf, to_hf
+from .mapping import Dims, active_rules, features, megatron_to_hf
+from .vl_export import vl_checkpoint_hf_tensors, vl_config_dtype, write_source_tensor_record
 
 __all__ = [
     "PROCESSOR_FILES",
@@ -86,8 +87,6 @@ def keep_with_checkpoint(checkpoint_dir: str | Path, model: Mapping[str, Any], p
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
     if is_vl_config(json.loads((source / "config.json").read_text())):
-        from .vl_export import write_source_tensor_record
-
         write_source_tensor_record(source, target)
     if hasattr(model, "_metadata"):  # an OmegaConf node (the recipe's group)
         from omegaconf import OmegaConf
@@ -151,8 +150,6 @@ def write_hf_directory(
     dtypes = {t.dtype for t in tensors.values()}
     config = {k: v for k, v in hf_config.items() if not k.startswith("_")}
     if len(dtypes) == 1:
-        from .vl_export import vl_config_dtype
-
         dtype = str(dtypes.pop()).removeprefix("torch.")
         config = vl_config_dtype(config, dtype)
         config["dtype"] = dtype
@@ -192,89 +189,6 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[
             "model.pretrained=DIR) keep what an export needs"
         )
     return chosen, hf_dir
-
-
-def _run_config(hf_dir: str | Path):
-    """``(Megatron TransformerConfig, tied embeddings, model group)`` of the run that kept ``hf_dir``, for one CPU
-    process without model parallelism. Needs no process group."""
-    from thdpack.megatron.config import transformer_config
-    from thdpack.megatron.runtime import Runtime
-
-    record = json.loads((Path(hf_dir) / "thdpack.json").read_text())
-    model = dict(record["model"])
-    # Sequential experts on CPU; the checkpoint stores grouped-GEMM experts the same way (dist_checkpoint).
-    model["config"] = {**model.get("config", {}), "moe_grouped_gemm": False}
-    ones = dict.fromkeys(
-        (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ),
-        1,
-    )
-    runtime = Runtime("cpu", record.get("precision", "fp32"), "torch")
-    config = transformer_config(model, ones, runtime)
-    return config, bool(model.get("share_embeddings_and_output_weights")), model
-
-
-def checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The HF tensors of the model in the distributed checkpoint ``iteration_dir``, as saved (dtype, bits),
-    for the run whose ``hf/`` directory is ``hf_dir``. A checkpoint tensor without an HF counterpart, or an HF
-    tensor the checkpoint does not give, stops it, naming both."""
-    iteration_dir = Path(iteration_dir)
-    config, tied, _ = _run_config(hf_dir)
-    vocab = int(read_hf_config(hf_dir)["vocab_size"])
-    rules = active_rules(features(config, tied))
-    out = gpt_hf_tensors(checkpoint_tensors(iteration_dir), config, tied, vocab, iteration_dir, hf_dir)
-    missing = sorted(expected_hf_names(rules, config.num_layers, config.num_moe_experts or 0) - set(out))
-    if missing:
-        raise ValueError(
-            f"{iteration_dir}: the checkpoint gives no tensor for {len(missing)} Hugging Face tensors of this "
-            f"model, e.g. {missing[:4]}"
-        )
-    return out
-
-
-def gpt_hf_tensors(
-    tensors: Mapping[str, torch.Tensor],
-    config,
-    tied: bool,
-    vocab: int,
-    iteration_dir,
-    hf_dir,
-    prefix: str = "",
-) -> dict[str, torch.Tensor]:
-    """The HF tensors (text-model names) of a ``GPTModel``'s checkpoint ``tensors`` (names as
-    :func:`~thdpack.hf.dist_checkpoint.checkpoint_tensors` gives them; ``prefix``: the GPTModel's, as written in
-    errors). A tensor without an HF counterpart, or two giving one HF tensor, stops it, naming them."""
-    rules = active_rules(features(config, tied))
-    dims = Dims(
-        config.num_attention_heads,
-        config.num_query_groups or config.num_attention_heads,
-        config.kv_channels,
-        vocab,
-    )
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        m = match_name(name, rules)
-        if m is None:
-            raise ValueError(
-                f"{iteration_dir}: the checkpoint's tensor '{prefix}{name}' has no Hugging Face counterpart in "
-                f"thdpack.hf.mapping.RULES for this model ({Path(hf_dir) / 'thdpack.json'})"
-            )
-        if m.rule.kind == VOCAB and tensor.shape[0] < dims.vocab:
-            raise ValueError(
-                f"{iteration_dir}: '{prefix}{name}' has {tensor.shape[0]} rows but config.json's vocab_size is "
-                f"{dims.vocab}: the checkpoint is not of this model"
-            )
-        for hf_name, part in zip(m.hf_names, to_hf(m.rule.kind, tensor, dims), strict=True):
-            if hf_name in out:
-                raise ValueError(
-                    f"{iteration_dir}: two checkpoint tensors give '{hf_name}' (one is '{prefix}{name}')"
-                )
-            out[hf_name] = part
-    return out
 
 
 class _Tensors:
@@ -317,7 +231,7 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
             "builds)"
         )
     tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)
-    config, tied, model = _run_config(hf_dir)
+    config, tied, model = run_config(hf_dir)
     if not dist.is_initialized():
         store = Path(tempfile.mkdtemp(prefix="thdpack_export_")) / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -351,8 +265,6 @@ def export_checkpoint(
     iteration_dir, hf_dir = resolve_checkpoint(checkpoint, iteration)
     hf_config = read_hf_config(hf_dir)
     if is_vl_config(hf_config):
-        from .vl_export import vl_checkpoint_hf_tensors
-
         tensors = vl_checkpoint_hf_tensors(iteration_dir, hf_dir)
     else:
         tensors = checkpoint_hf_tensors(iteration_dir, hf_dir)

@@ -2,7 +2,7 @@
 
 The model (:class:`thdpack.megatron.vlm.VisionLanguageModel`) saves two parts in its distributed checkpoint:
 
-* ``language_model.*``: Megatron's ``GPTModel``, converted by the text export (:func:`thdpack.hf.export.gpt_hf_tensors`,
+* ``language_model.*``: Megatron's ``GPTModel``, converted by the text export (:func:`thdpack.hf.checkpoint_hf.gpt_hf_tensors`,
   the text families' mapping) to text-model names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``);
 * ``visual.*``: transformers' own vision tower module, one whole tensor per parameter under the module's names,
   frozen (``model.freeze_vision``, the default) or trained: written as the checkpoint holds them.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_hf import gpt_hf_tensors, run_config
 from .vl_checkpoint import VISION_PREFIXES, _safetensors_files, text_config
 
 __all__ = ["SOURCE_TENSORS", "source_tensor_record", "vl_checkpoint_hf_tensors", "write_source_tensor_record"]
@@ -81,10 +82,9 @@ def vl_checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> d
     tensors, ``FileNotFoundError`` when a frozen tower must come from a source directory that is gone."""
     from .config import read_hf_config
     from .dist_checkpoint import checkpoint_tensors
-    from .export import _run_config, gpt_hf_tensors
 
     iteration_dir, hf_dir = Path(iteration_dir), Path(hf_dir)
-    config, tied, model = _run_config(hf_dir)
+    config, tied, model = run_config(hf_dir)
     source = Path(str(model.get("pretrained", "")))
     record, record_path = _source_record(hf_dir, source)
     nested = any(n.startswith(_NESTED) for n in record)
