@@ -199,3 +199,35 @@ def test_what_megatron_cannot_reproduce_is_refused_naming_the_key(
     (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
     with pytest.raises(HFConfigError, match=message):
         pretrained_model_group({"pretrained": str(tmp_path)}, seq_length=SEQ, tp=1)
+
+
+def test_the_released_qwen3_vl_30b_a3b_config_maps_to_megatrons_moe():
+    """Qwen/Qwen3-VL-30B-A3B-Instruct's config.json as released (transformers 4.57's keys: rope_scaling beside
+    rope_theta, num_experts, norm_topk_prob)."""
+    from thdpack.hf.qwen3_vl_moe import model_group as moe_group
+
+    text = dict(
+        attention_bias=False, attention_dropout=0.0, bos_token_id=151643, decoder_sparse_step=1, dtype="bfloat16",
+        eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=2048, initializer_range=0.02,
+        intermediate_size=6144, max_position_embeddings=262144, mlp_only_layers=[], model_type="qwen3_vl_moe_text",
+        moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32, num_experts=128,
+        num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-06,
+        rope_scaling=dict(mrope_interleaved=True, mrope_section=[24, 20, 20], rope_type="default"),
+        rope_theta=5000000, use_cache=True, vocab_size=151936,
+    )  # fmt: skip
+    vision = dict(
+        deepstack_visual_indexes=[8, 16, 24], depth=27, hidden_act="gelu_pytorch_tanh", hidden_size=1152,
+        in_channels=3, initializer_range=0.02, intermediate_size=4304, model_type="qwen3_vl_moe", num_heads=16,
+        num_position_embeddings=2304, out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2,
+    )  # fmt: skip
+    config = dict(
+        architectures=["Qwen3VLMoeForConditionalGeneration"], image_token_id=151655, model_type="qwen3_vl_moe",
+        text_config=text, tie_word_embeddings=False, transformers_version="4.57.0.dev0", video_token_id=151656,
+        vision_config=vision, vision_end_token_id=151653, vision_start_token_id=151652,
+    )  # fmt: skip
+    group = moe_group(config, seq_length=4096, tp=2)
+    moe = {k: group["config"][k] for k in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")}
+    assert moe == {"num_moe_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768}
+    assert group["config"]["mrope_section"] == [24, 20, 20] and group["rotary_base"] == 5000000.0
+    assert group["config"]["moe_router_pre_softmax"] is False and group["vocab_size"] == 151936
