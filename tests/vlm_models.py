@@ -1,4 +1,4 @@
-"""A tiny Qwen2.5-VL or Qwen3-VL Hugging Face directory, built locally (no download): random weights from a
+"""A tiny Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE Hugging Face directory, built locally (no download): random weights from a
 transformers config, the tests' Qwen tokenizer (:mod:`tests.hf_tokenizers`: a small byte-level BPE with Qwen's
 special and vision tokens) with the family's chat template, and a PIL image processor: Qwen2.5-VL patch 14, merge 2
 (a 56x56 image is 4 image tokens); Qwen3-VL patch 16, merge 2 (a 64x64 image is 4 image tokens).
@@ -138,14 +138,16 @@ def build_tiny_vl(
     sharp: bool = True,
     family: str = "qwen2_5_vl",
 ) -> Path:
-    """Write a Qwen2.5-VL (``family="qwen2_5_vl"``) or Qwen3-VL (``"qwen3_vl"``) directory of ``SIZES[size]``
-    (config, safetensors, tokenizer, chat template, image processor). ``sharp``: weights larger than
-    transformers' initialisation (std 0.1; norms around 1), which make the parity checks sharper; False keeps
-    transformers' own (for training runs)."""
+    """Write a Qwen2.5-VL (``family="qwen2_5_vl"``), Qwen3-VL (``"qwen3_vl"``) or Qwen3-VL-MoE
+    (``"qwen3_vl_moe"``) directory of ``SIZES[size]`` (config, safetensors, tokenizer, chat template, image
+    processor). ``sharp``: weights larger than transformers' initialisation (std 0.1; norms around 1), which make
+    the parity checks sharper; False keeps transformers' own (for training runs)."""
     import torch
 
     if family == "qwen3_vl":
         return build_tiny_qwen3_vl(directory, seed=seed, tie=tie, size=size, sharp=sharp)
+    if family == "qwen3_vl_moe":
+        return build_tiny_qwen3_vl(directory, seed=seed, tie=tie, size=size, sharp=sharp, moe=True)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     directory = Path(directory)
@@ -276,22 +278,48 @@ def qwen3_vl_config(tokenizer: TokenizerInfo, tie: bool = False, size: str = "ti
     )
 
 
+# Qwen3-VL-MoE: the Qwen3-VL sizes with every decoder layer a mixture of experts. tiny: 4 experts of width 48, 2
+# per token (2 * 48 differs from hidden 64, so the fused experts' orientation shows in their shape); small: 16 of
+# width 512, 4 per token.
+QWEN3_MOE_SIZES = {
+    "tiny": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    "small": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512),
+}
+
+
+def qwen3_vl_moe_config(tokenizer: TokenizerInfo, tie: bool = False, size: str = "tiny") -> dict:
+    """A Qwen3-VL-MoE config.json: :func:`qwen3_vl_config` with ``QWEN3_MOE_SIZES[size]`` experts in every layer,
+    ``norm_topk_prob`` true as in the released checkpoints."""
+    config = qwen3_vl_config(tokenizer, tie=tie, size=size)
+    config.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe")
+    config["text_config"].update(
+        **QWEN3_MOE_SIZES[size], decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True
+    )
+    return config
+
+
 def build_tiny_qwen3_vl(
-    directory: str | Path, seed: int = 0, tie: bool = False, size: str = "tiny", sharp: bool = True
+    directory: str | Path,
+    seed: int = 0,
+    tie: bool = False,
+    size: str = "tiny",
+    sharp: bool = True,
+    moe: bool = False,
 ) -> Path:
-    """Write a Qwen3-VL directory of ``QWEN3_SIZES[size]``: the Qwen3 tokenizer with the Qwen3-VL chat template,
-    config, safetensors, image processor (see :func:`build_tiny_vl`)."""
+    """Write a Qwen3-VL directory (``moe``: Qwen3-VL-MoE) of ``QWEN3_SIZES[size]``: the Qwen3 tokenizer with the
+    Qwen3-VL chat template, config, safetensors, image processor (see :func:`build_tiny_vl`)."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = write_tokenizer(directory, "qwen3", chat_template=QWEN3_VL_CHAT_TEMPLATE)
-    config = Qwen3VLConfig(
-        **{k: v for k, v in qwen3_vl_config(tokenizer, tie=tie, size=size).items() if k != "architectures"}
+    make_config, prefix = (qwen3_vl_moe_config, "Qwen3VLMoe") if moe else (qwen3_vl_config, "Qwen3VL")
+    config = getattr(transformers, f"{prefix}Config")(
+        **{k: v for k, v in make_config(tokenizer, tie=tie, size=size).items() if k != "architectures"}
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     if sharp:
         _sharpen(model)
     model.save_pretrained(str(directory))
@@ -313,3 +341,9 @@ def tiny_vl(tmp_path_factory) -> Path:
 def tiny_qwen3_vl(tmp_path_factory) -> Path:
     """One tiny Qwen3-VL directory for the whole test session (import the fixture into a test module)."""
     return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe(tmp_path_factory) -> Path:
+    """One tiny Qwen3-VL-MoE directory for the whole test session (import the fixture into a test module)."""
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_moe"), family="qwen3_vl_moe")

@@ -1,7 +1,8 @@
-"""L1: thdpack's packed Qwen2.5-VL and Qwen3-VL (DeepStack included) equal transformers per sample under context
-parallelism (the vision tower on
-every CP rank, image embeddings scattered into each rank's zigzag shard) and tensor parallelism with sequence
-parallelism (scattered before the sequence split); MRoPE ids of every shard equal get_rope_index's."""
+"""L1: thdpack's packed Qwen2.5-VL, Qwen3-VL (DeepStack included) and Qwen3-VL-MoE equal transformers per sample
+under context parallelism (the vision tower on every CP rank, image embeddings scattered into each rank's zigzag
+shard), tensor parallelism with sequence parallelism (scattered before the sequence split) and, for the MoE family,
+expert parallelism (half the experts on each rank, alone or over the CP ranks); MRoPE ids of every shard equal
+get_rope_index's."""
 
 from __future__ import annotations
 
@@ -11,16 +12,32 @@ from tests.vlm_models import build_tiny_vl
 
 pytestmark = pytest.mark.functional
 
+CASES = [
+    *((family, layout) for family in ("qwen2_5_vl", "qwen3_vl") for layout in ("cp2", "tp2_sp")),
+    *(("qwen3_vl_moe", layout) for layout in ("ep2", "ep2_cp2", "tp2_sp")),
+]
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
-def directory(request, tmp_path_factory):
-    return build_tiny_vl(tmp_path_factory.mktemp("vl"), family=request.param)
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory):
+    """``family -> a tiny directory``, each built once for the module."""
+    built = {}
+
+    def directory(family):
+        if family not in built:
+            built[family] = build_tiny_vl(tmp_path_factory.mktemp("vl"), family=family)
+        return built[family]
+
+    return directory
 
 
-@pytest.mark.parametrize("layout", ["cp2", "tp2_sp"])
-def test_vlm_logits_and_loss_equal_transformers(run_torchrun, directory, layout):
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{layout}" for f, layout in CASES])
+def test_vlm_logits_and_loss_equal_transformers(run_torchrun, directories, family, layout):
     out = run_torchrun(
-        "vlm_parity.py", nproc=2, args=["--layout", layout, "--directory", str(directory)], timeout=400
+        "vlm_parity.py",
+        nproc=2,
+        args=["--layout", layout, "--directory", str(directories(family))],
+        timeout=400,
     )
     line = next((line for line in out.splitlines() if "VLM PARITY OK" in line), "")
     print(line)

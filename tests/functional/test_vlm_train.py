@@ -1,7 +1,6 @@
-"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL or Qwen3-VL directory> dataset=embedded_vlm``
-trains;
-packed, padded and packed under CP2 compute the same losses step after step, and the first step's loss equals
-transformers' on the same global batch and weights.
+"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE directory>
+dataset=embedded_vlm`` trains; packed, padded and packed under CP2 (and, for the MoE family, EP2) compute the same
+losses step after step, and the first step's loss equals transformers' on the same global batch and weights.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ VL = (
 )
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def directory(request, tmp_path_factory):
     return build_tiny_vl(tmp_path_factory.mktemp("vl"), family=request.param)
 
@@ -47,6 +46,16 @@ def test_packed_padded_and_cp2_runs_train_the_same_losses(directory, packed, tmp
     assert len(packed.losses) == 3
     assert padded.losses == pytest.approx(packed.losses, rel=1e-5)
     assert cp2.losses == pytest.approx(packed.losses, rel=1e-5)
+
+
+def test_ep2_trains_the_same_losses_as_one_rank(directory, packed, tmp_path):
+    """Half the experts on each of two ranks (two data-parallel ranks, each half the global batch; alltoall)."""
+    if "Moe" not in (directory / "config.json").read_text():
+        pytest.skip("expert parallelism: the MoE family only")
+    model = ("model=hf", f"model.pretrained={directory}")
+    ep2 = run_train([*model, *VL, "parallel=ep2"], tmp_path / "ep2", nproc=2, timeout=300).check()
+    print("packed", packed.losses, "ep2", ep2.losses)
+    assert ep2.losses == pytest.approx(packed.losses, rel=1e-5)
 
 
 def test_first_step_loss_equals_transformers_on_the_same_batch(directory, packed):

@@ -25,21 +25,6 @@ ONE_RANK = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from thdpack.megatron import cpu
-
-    assert not dist.is_initialized() and not ps.model_parallel_is_initialized(), "a process group leaked"
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    cpu.initialize_model_parallel_cpu(seed=1234)
-    yield
-    cpu.destroy_model_parallel_cpu()
-
-
 def save(state: dict, ckpt, group: dict, iteration: int = 1):
     """A run's checkpoint directory: ``iter_000000<iteration>`` with the model ``state`` (a sharded state dict),
     ``hf/`` as the training loop keeps it."""
@@ -55,7 +40,7 @@ def save(state: dict, ckpt, group: dict, iteration: int = 1):
 
 
 @pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen3_vl"], ids=["qwen2_5_vl", "qwen3_vl"])
-def case(request, one_rank, tmp_path_factory):
+def case(request, one_rank_megatron, tmp_path_factory):
     """``(source dir, model group, sharded state dict, checkpoint of it)`` for each family, no training."""
     source = request.getfixturevalue(request.param)
     group = model_group(source, SEQ)
@@ -182,3 +167,13 @@ def test_a_source_tensor_the_checkpoint_does_not_give_stops_the_export_naming_it
         ValueError, match=r"no tensor for 1 of the source directory's.*model\.visual\.extra\.weight"
     ):
         export_checkpoint(iteration, tmp_path / "out")
+
+
+def test_a_qwen3_vl_moe_run_is_refused_naming_its_architecture(tmp_path):
+    from thdpack.hf.vl_export import vl_checkpoint_hf_tensors
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLMoeForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match="Qwen3VLMoeForConditionalGeneration.*does not export this family"):
+        vl_checkpoint_hf_tensors(tmp_path / "iter_0000001", hf)

@@ -148,13 +148,13 @@ def test_an_unknown_vision_language_architecture_is_refused_naming_it(tiny_qwen3
     from thdpack.hf.pretrained import pretrained_model_group
 
     config = json.loads((tiny_qwen3_vl / "config.json").read_text())
-    config.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe")
+    config.update(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         HFConfigError,
-        match=r"architectures \['Qwen3VLMoeForConditionalGeneration'\] has a vision_config but no "
+        match=r"architectures \['Qwen2VLForConditionalGeneration'\] has a vision_config but no "
         r"vision-language family: thdpack supports \['Qwen2_5_VLForConditionalGeneration', "
-        r"'Qwen3VLForConditionalGeneration'\]",
+        r"'Qwen3VLForConditionalGeneration', 'Qwen3VLMoeForConditionalGeneration'\]",
     ):
         pretrained_model_group({"pretrained": str(tmp_path)}, seq_length=256, tp=1)
 

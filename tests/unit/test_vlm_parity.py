@@ -1,5 +1,6 @@
-"""thdpack's packed Qwen2.5-VL and Qwen3-VL (Megatron GPTModel with packed MRoPE + transformers' vision tower;
-Qwen3-VL: interleaved MRoPE sections, q/k norms, DeepStack features added after the first decoder layers; weights
+"""thdpack's packed Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (Megatron GPTModel with packed MRoPE + transformers'
+vision tower; Qwen3-VL: interleaved MRoPE sections, q/k norms, DeepStack features added after the first decoder
+layers; Qwen3-VL-MoE: the same with Megatron's MoE layers, experts read from the fused tensors; weights
 from a Hugging Face directory) compute what transformers computes on each sample alone: the same per-token logits
 on a batch of a text-only, a one-image and a two-image sample (CPU, fp32), and the same first-step loss."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm_models import tiny_qwen3_vl, tiny_vl  # noqa: F401 - the session's model directories
+from tests.vlm_models import tiny_qwen3_vl, tiny_qwen3_vl_moe, tiny_vl  # noqa: F401 - the session's model directories
 from tests.vlm_parity import (
     build,
     hf_reference,
@@ -22,7 +23,11 @@ from thdpack.hf.processor import VLProcessor
 SEQ = 256
 
 
-@pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen3_vl"], ids=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(
+    scope="module",
+    params=["tiny_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe"],
+    ids=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"],
+)
 def case(request, one_rank_megatron):
     directory = request.getfixturevalue(request.param)
     batch = samples(VLProcessor(directory), mixed_chats())

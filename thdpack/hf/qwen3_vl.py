@@ -16,7 +16,8 @@ Against Qwen2.5-VL (:mod:`thdpack.hf.qwen2_5_vl`), per transformers' ``modeling_
 * video positions use timestamps; thdpack supports still images only (the image rule is the same as Qwen2.5-VL's:
   :func:`thdpack.hf.vl_checkpoint.rope_index`), and a sample with video tokens is refused.
 
-Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``) is not supported. Tested with transformers 5.24.0 (CPU).
+Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``) reuses all of this around a Qwen3-MoE language model
+(:mod:`thdpack.hf.qwen3_vl_moe`). Tested with transformers 5.24.0 (CPU).
 """
 
 from __future__ import annotations

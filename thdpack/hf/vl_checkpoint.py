@@ -49,6 +49,7 @@ __all__ = [
 VL_ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "thdpack.hf.qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "thdpack.hf.qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "thdpack.hf.qwen3_vl_moe",
 }
 VISION_PREFIXES = ("visual.", "model.visual.")
 

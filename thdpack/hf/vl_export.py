@@ -26,6 +26,8 @@ import torch
 from .checkpoint_hf import gpt_hf_tensors, run_config
 from .vl_checkpoint import VISION_PREFIXES, _safetensors_files, text_config
 
+NOT_EXPORTED = {"Qwen3VLMoeForConditionalGeneration"}  # fused experts: written back per expert today
+
 __all__ = ["SOURCE_TENSORS", "source_tensor_record", "vl_checkpoint_hf_tensors", "write_source_tensor_record"]
 
 SOURCE_TENSORS = "source_tensors.json"
@@ -84,6 +86,13 @@ def vl_checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> d
     from .dist_checkpoint import checkpoint_tensors
 
     iteration_dir, hf_dir = Path(iteration_dir), Path(hf_dir)
+    architectures = read_hf_config(hf_dir).get("architectures") or []
+    if NOT_EXPORTED & set(architectures):
+        raise ValueError(
+            f"{hf_dir / 'config.json'}: architectures {architectures}: thdpack does not export this family yet "
+            "(its experts are stored fused, one tensor per layer, and the export writes per-expert tensors); "
+            "the checkpoint itself resumes and trains"
+        )
     config, tied, model = run_config(hf_dir)
     source = Path(str(model.get("pretrained", "")))
     record, record_path = _source_record(hf_dir, source)

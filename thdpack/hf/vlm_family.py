@@ -1,13 +1,13 @@
-"""The vision-language model families (``model=hf model.pretrained=<a Qwen2.5-VL or Qwen3-VL directory>``): how
-the training loop builds :class:`~thdpack.megatron.vlm.VisionLanguageModel` with the checkpoint's weights (the
-language model through the text import of its family module, the vision tower from the checkpoint's safetensors)
-and calls it on a micro-batch whose images ride beside the packed row (``pixel_values``, ``image_grid_thw``:
+"""The vision-language model families (``model=hf model.pretrained=<a Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE
+directory>``): how the training loop builds :class:`~thdpack.megatron.vlm.VisionLanguageModel` with the checkpoint's
+weights (the language model through the text import of its family module, the vision tower from the checkpoint's
+safetensors) and calls it on a micro-batch whose images ride beside the packed row (``pixel_values``, ``image_grid_thw``:
 carried, not packed; ``vision_index``: packed and CP-sharded with the tokens).
 
 The model group of such a directory names its family (:data:`thdpack.hf.qwen2_5_vl.FAMILY`,
-:data:`thdpack.hf.qwen3_vl.FAMILY`, through the registry's ``"package.module:ATTRIBUTE"`` form, as
-:mod:`thdpack.hf.family` for text checkpoints): the weights are loaded here, so the ``hf`` family's loader never
-runs for it. Like :mod:`thdpack.hf.family`, a module of :mod:`thdpack.hf` that imports :mod:`thdpack.megatron` at
+:data:`thdpack.hf.qwen3_vl.FAMILY`, :data:`thdpack.hf.qwen3_vl_moe.FAMILY`, through the registry's
+``"package.module:ATTRIBUTE"`` form, as :mod:`thdpack.hf.family` for text checkpoints): the weights are loaded
+here, so the ``hf`` family's loader never runs for it. Like :mod:`thdpack.hf.family`, a module of :mod:`thdpack.hf` that imports :mod:`thdpack.megatron` at
 module level, imported only when a recipe names it.
 """
 
@@ -29,7 +29,7 @@ from thdpack.megatron.vlm import (
 
 from .vl_checkpoint import read_vl_config, vl_module
 
-__all__ = ["QWEN2_5_VL", "QWEN3_VL", "build_vlm"]
+__all__ = ["QWEN2_5_VL", "QWEN3_VL", "QWEN3_VL_MOE", "build_vlm"]
 
 log = logging.getLogger("thdpack")
 
@@ -40,13 +40,15 @@ def build_vlm(
     """This rank's :class:`VisionLanguageModel` from the recipe's model group (``pretrained``: the Hugging Face
     directory; ``freeze_vision``, default true), with the checkpoint's weights: the language model through its
     family module's text import, the vision tower (first pipeline stage only) from its safetensors. The family
-    module fixes what the checkpoint decides: Qwen3-VL's interleaved MRoPE and DeepStack layers. On the host,
+    module fixes what the checkpoint decides: Qwen3-VL's interleaved MRoPE and DeepStack layers, Qwen3-VL-MoE's fused
+    experts (read per expert-parallel rank). On the host,
     bare: loaded here, before the loop wraps the model and the optimizer copies its parameters (as
     :mod:`thdpack.hf.family`)."""
     directory = model.get("pretrained")
     if not directory:
         raise ValueError(
-            "the vision-language families need model.pretrained (a Qwen2.5-VL or Qwen3-VL Hugging Face directory)"
+            "the vision-language families need model.pretrained (a Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE Hugging Face "
+            "directory)"
         )
     hf = read_vl_config(directory)
     family = vl_module(hf, f"{directory}/config.json")
@@ -90,6 +92,15 @@ QWEN2_5_VL = ModelFamily(
 
 QWEN3_VL = ModelFamily(
     name="qwen3_vl",
+    build=build_vlm,
+    forward=vlm_forward,
+    model_keys=_MODEL_KEYS,
+    transform=vlm_batch_transform,
+    carry_keys=VISION_KEYS,
+)
+
+QWEN3_VL_MOE = ModelFamily(
+    name="qwen3_vl_moe",
     build=build_vlm,
     forward=vlm_forward,
     model_keys=_MODEL_KEYS,

@@ -1,4 +1,4 @@
-"""L1 vision-language parity (Qwen2.5-VL or Qwen3-VL, as the directory's config.json says) under a parallel layout (torchrun, gloo on CPU): every rank computes transformers'
+"""L1 vision-language parity (Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE, as the directory's config.json says) under a parallel layout (torchrun, gloo on CPU): every rank computes transformers'
 reference on each sample alone, then thdpack's packed forward of the whole batch under the layout (CP: the
 vision tower on every rank, image embeddings scattered into each rank's zigzag shard; TP with sequence
 parallelism: scattered before the sequence split). Each rank compares the logits of its own tokens and checks the
@@ -33,7 +33,15 @@ from tests.vlm_parity import (  # noqa: E402
     thdpack_forward,  # noqa: E402
 )
 
-LAYOUTS = {"cp2": dict(cp=2), "tp2_sp": dict(tp=2, sp=True), "tp2": dict(tp=2)}
+# ep2 (MoE families): each rank holds half the experts; both ranks run the whole batch as two data-parallel ranks,
+# the alltoall dispatcher sending each token to its experts' rank. ep2_cp2: experts split over the two CP ranks.
+LAYOUTS = {
+    "cp2": dict(cp=2),
+    "tp2_sp": dict(tp=2, sp=True),
+    "tp2": dict(tp=2),
+    "ep2": dict(ep=2),
+    "ep2_cp2": dict(ep=2, cp=2),
+}
 SEQ = 256
 
 
@@ -43,7 +51,7 @@ def main() -> None:
     parser.add_argument("--directory", required=True)
     args = parser.parse_args()
     layout = LAYOUTS[args.layout]
-    cp, tp, sp = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False)
+    cp, tp, sp, ep = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False), layout.get("ep", 1)
     os.environ["HF_HUB_OFFLINE"] = "1"
     from megatron.core import parallel_state as ps
 
@@ -54,16 +62,23 @@ def main() -> None:
     batch = samples(VLProcessor(args.directory), mixed_chats())
     reference = hf_reference(args.directory, batch)
 
-    initialize_model_parallel_cpu(tensor_model_parallel_size=tp, context_parallel_size=cp, seed=1234)
+    initialize_model_parallel_cpu(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep, seed=1234
+    )
     parallel = dict(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         context_parallel_size=cp,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
         sequence_parallel=sp,
     )
     model, config = build(args.directory, model_group(args.directory, SEQ, tp), parallel, SEQ)
     assert config.sequence_parallel == sp
+    if ep > 1:
+        experts = config.num_moe_experts
+        assert experts, f"--layout {args.layout} needs a mixture-of-experts checkpoint"
+        local = model.language_model.decoder.layers[0].mlp.experts.num_local_experts
+        assert local == experts // ep, (local, experts, ep)
     cp_rank = ps.get_context_parallel_rank()
     logits, where, loss_sum, count = thdpack_forward(model, batch, SEQ, cp, cp_rank, tp, sp)
     difference = max_logit_difference(reference, logits, where)
