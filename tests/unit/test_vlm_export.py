@@ -185,3 +185,18 @@ def test_a_source_tensor_the_checkpoint_does_not_give_stops_the_export_naming_it
         ValueError, match=r"no tensor for 1 of the source directory's.*model\.visual\.extra\.weight"
     ):
         export_checkpoint(iteration, tmp_path / "out")
+
+
+def test_a_chained_optimizers_state_is_not_exported(case, tmp_path):
+    """An expert-parallel MoE run chains one optimizer per parameter group: its state is saved under
+    ``chained_<i>.optimizer.*``, beside the model, and is no tensor of the model."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from thdpack.hf.export import export_checkpoint
+
+    source, group, state, _ = case
+    key = "chained_1.optimizer.state.exp_avg.language_model.decoder.final_layernorm.weight"
+    moment = ShardedTensor.from_rank_offsets(key, torch.ones(64))
+    iteration = save({**state, "moment": moment}, tmp_path / "ckpt", group)
+    exported = exported_tensors(export_checkpoint(iteration, tmp_path / "out"))
+    assert sorted(exported) == sorted(source_tensors(source))
