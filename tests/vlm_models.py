@@ -331,6 +331,23 @@ def build_tiny_qwen3_vl(
     return directory
 
 
+def released_orientation(directory: str | Path, copy: str | Path) -> Path:
+    """A copy (at ``copy``) of the Qwen3-VL-MoE ``directory`` with its fused experts stored as the released
+    checkpoints store them (``[E, H, 2I]``, ``[E, I, H]``: transformers 4.57's orientation; transformers 5.x saves
+    ``[E, 2I, H]``, ``[E, H, I]``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(copy)
+    shutil.copytree(directory, copy)
+    tensors = load_file(copy / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
 @pytest.fixture(scope="session")
 def tiny_vl(tmp_path_factory) -> Path:
     """One tiny Qwen2.5-VL directory for the whole test session (import the fixture into a test module)."""

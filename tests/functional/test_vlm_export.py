@@ -1,18 +1,20 @@
-"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL or Qwen3-VL directory> dataset=embedded_vlm
-checkpoint.dir=CKPT`` (two steps, vision tower frozen), then ``python -m thdpack.export CKPT OUT``: transformers loads
-OUT with no missing or unexpected key, under the source's names; its logits on a text-only, a one-image and a
-two-image sample equal those of thdpack's model loaded from the checkpoint by megatron-core itself; a Qwen3-VL run
-under TP2 exports what the one-rank run exports."""
+"""L1: ``python -m thdpack.train model=hf model.pretrained=<a Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE directory>
+dataset=embedded_vlm checkpoint.dir=CKPT`` (two steps, vision tower frozen), then ``python -m thdpack.export CKPT
+OUT``: transformers loads OUT with no missing or unexpected key, under the source's names (Qwen3-VL-MoE: its fused
+experts in the source's orientation, transformers 5.x's or the released checkpoints'); its logits on a text-only, a
+one-image and a two-image sample equal those of thdpack's model loaded from the checkpoint by megatron-core itself; a
+Qwen3-VL run under TP2 and a Qwen3-VL-MoE run under EP2 export what the one-rank run exports."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.vlm_models import build_tiny_vl
+from tests.vlm_models import build_tiny_vl, released_orientation
 
 from .training import REPO_ROOT, environment, run_train, tail
 
@@ -59,12 +61,19 @@ def train_and_export(source, root, *overrides, nproc: int = 1):
     return root / "ckpt", out
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_released"])
 def exported(request, tmp_path_factory):
-    """``(source dir, checkpoint dir, exported dir)``."""
+    """``(source dir, checkpoint dir, exported dir)``; ``qwen3_vl_moe_released``: the source's fused experts in the
+    released checkpoints' orientation (``[E, H, 2I]``, ``[E, I, H]``)."""
     root = tmp_path_factory.mktemp(request.param)
-    source = build_tiny_vl(root / "source", family=request.param)
+    source = build_tiny_vl(root / "source", family=request.param.removesuffix("_released"))
+    if request.param.endswith("_released"):
+        source = released_orientation(source, root / "released")
     return (source, *train_and_export(source, root))
+
+
+def model_type(directory) -> str:
+    return json.loads((directory / "config.json").read_text())["model_type"]
 
 
 def tensors(directory) -> dict[str, torch.Tensor]:
@@ -86,7 +95,9 @@ def test_transformers_loads_the_export_under_the_sources_names_with_trained_text
     assert not any(info.values()), info
     before, after = tensors(source), tensors(out)
     assert sorted(after) == sorted(before)
-    assert {n: t.dtype for n, t in after.items()} == {n: t.dtype for n, t in before.items()}
+    assert {n: (t.dtype, t.shape) for n, t in after.items()} == {
+        n: (t.dtype, t.shape) for n, t in before.items()
+    }
     vision = [n for n in before if n.startswith(("visual.", "model.visual."))]
     assert vision and all(torch.equal(before[n], after[n]) for n in vision)  # frozen: bit for bit
     moved = {n: float((after[n] - before[n]).abs().max()) for n in before if n not in vision}
@@ -110,14 +121,23 @@ def one_rank(tmp_path):
     cpu.destroy_model_parallel_cpu()
 
 
-@pytest.mark.usefixtures("one_rank")
-def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
+def logit_difference(source, ckpt, out) -> tuple[float, float, float]:
+    """``(max |logit difference|, thdpack's loss, transformers')`` on the mixed chats: transformers on the export
+    ``out`` against thdpack's model holding the checkpoint ``ckpt`` as megatron-core itself loads it (independent of
+    the export)."""
     from megatron.core import dist_checkpointing
 
-    from tests.vlm_parity import build, hf_reference, max_logit_difference, mixed_chats, model_group, samples
+    from tests.vlm_parity import (
+        build,
+        hf_reference,
+        max_logit_difference,
+        mixed_chats,
+        model_group,
+        samples,
+        thdpack_forward,
+    )
     from thdpack.hf.processor import VLProcessor
 
-    source, ckpt, out = exported
     group = model_group(source, SEQ)
     parallel = dict.fromkeys(
         (
@@ -129,28 +149,29 @@ def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(expo
         1,
     )
     model, _ = build(source, group, parallel, SEQ)  # the source's weights, replaced by the checkpoint's
+    # megatron-core's own load (resharded from the run's layout): the trained weights, independent of the export
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt / "iter_0000002"))
-    model.load_state_dict(
-        loaded["model"]
-    )  # megatron-core's own load: the trained weights, independent of the export
-
-    from tests.vlm_parity import thdpack_forward
-
+    model.load_state_dict(loaded["model"])
     batch = samples(VLProcessor(out), mixed_chats())
     logits, where, loss_sum, count = thdpack_forward(model, batch, SEQ)
     reference = hf_reference(out, batch)
-    difference = max_logit_difference(reference, logits, where)
-    print(f"max |logit difference| {difference:.3g}; loss thdpack {loss_sum / count:.8f} "
-          f"transformers {reference.loss_sum / reference.loss_count:.8f}")  # fmt: skip
-    assert difference <= 1e-4
-    assert loss_sum / count == pytest.approx(reference.loss_sum / reference.loss_count, abs=1e-4)
     untrained = hf_reference(source, batch)
     assert abs(untrained.loss_sum - reference.loss_sum) > 1e-4  # the checkpoint is the trained model
+    difference = max_logit_difference(reference, logits, where)
+    return difference, loss_sum / count, reference.loss_sum / reference.loss_count
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
+    difference, loss, reference = logit_difference(*exported)
+    print(f"max |logit difference| {difference:.3g}; loss thdpack {loss:.8f} transformers {reference:.8f}")
+    assert difference <= 1e-4
+    assert loss == pytest.approx(reference, abs=1e-4)
 
 
 def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
     source, _, out = exported
-    if "qwen3" not in source.parent.name:
+    if model_type(source) != "qwen3_vl":
         pytest.skip("one family is enough for the layout: Qwen3-VL (DeepStack, q/k norms)")
     _, tp2 = train_and_export(source, tmp_path, "parallel=tp2", nproc=2)
     one, two, before = tensors(out), tensors(tp2), tensors(source)
@@ -165,3 +186,30 @@ def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
     assert vision and [n for n in vision if not torch.equal(one[n], two[n])] == []
     # Adam turns the last bits of TP2's gradient sums into ~1e-5 here; a misplaced shard would be ~1e-1.
     assert difference[worst] <= 5e-5
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_an_ep2_run_exports_what_the_one_rank_run_exports_and_its_logits_equal_thdpacks(exported, tmp_path):
+    """Half the experts on each of two ranks: the export puts every expert back in its place in the fused tensors
+    (a misplaced expert would differ by the training's whole movement, not by rounding)."""
+    from transformers import AutoModelForImageTextToText
+
+    source, _, out = exported
+    if model_type(source) != "qwen3_vl_moe" or source.name == "released":
+        pytest.skip("expert parallelism: the MoE family, one orientation")
+    ckpt, ep2 = train_and_export(source, tmp_path, "parallel=ep2", nproc=2)
+    _, info = AutoModelForImageTextToText.from_pretrained(str(ep2), output_loading_info=True)
+    assert not any(info.values()), info
+    one, two, before = tensors(out), tensors(ep2), tensors(source)
+    assert sorted(two) == sorted(one)
+    assert {n: t.dtype for n, t in two.items()} == {n: t.dtype for n, t in one.items()}
+    difference = {n: float((two[n] - one[n]).abs().max()) for n in one}
+    moved = {n: float((one[n] - before[n]).abs().max()) for n in one}
+    worst = max(difference, key=difference.get)
+    fused = max(moved[n] for n in one if n.endswith("experts.gate_up_proj"))
+    print(f"EP2 against one rank: max |difference| {difference[worst]:.3g} ({worst}); training moved the fused "
+          f"experts by up to {fused:.3g}")  # fmt: skip
+    assert difference[worst] <= 5e-5
+    logits, loss, reference = logit_difference(source, ckpt, ep2)
+    print(f"EP2: max |logit difference| {logits:.3g}; loss thdpack {loss:.8f} transformers {reference:.8f}")
+    assert logits <= 1e-4

@@ -1,9 +1,11 @@
-"""``python -m thdpack.export`` of a vision-language checkpoint (Qwen2.5-VL, Qwen3-VL): the model imported from a
-tiny Hugging Face directory, saved as a training run saves it (megatron-core's ``dist_checkpointing.save`` of its
-``sharded_state_dict``, the run's ``hf/`` record beside it), exported without training: every tensor of the source
-directory comes back bit for bit under its own name (transformers 5.24 saves Qwen2.5-VL as ``model.layers.*`` /
-``visual.*``, Qwen3-VL as ``model.language_model.*`` / ``model.visual.*``), and transformers loads the export with
-no missing or unexpected key. A checkpoint without the frozen vision tower takes the source's; bad input is named."""
+"""``python -m thdpack.export`` of a vision-language checkpoint (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): the model
+imported from a tiny Hugging Face directory, saved as a training run saves it (megatron-core's
+``dist_checkpointing.save`` of its ``sharded_state_dict``, the run's ``hf/`` record beside it), exported without
+training: every tensor of the source directory comes back bit for bit under its own name (transformers 5.24 saves
+Qwen2.5-VL as ``model.layers.*`` / ``visual.*``, Qwen3-VL(-MoE) as ``model.language_model.*`` / ``model.visual.*``;
+Qwen3-VL-MoE's fused experts in the source's orientation, transformers 5.x's ``[E, 2I, H]`` or the released
+checkpoints' ``[E, H, 2I]``), and transformers loads the export with no missing, unexpected or mismatched key. A
+checkpoint without the frozen vision tower takes the source's; bad input is named."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ import shutil
 import pytest
 import torch
 
-from tests.vlm_models import tiny_qwen3_vl, tiny_vl  # noqa: F401 - the session's model directories
+from tests.vlm_models import (  # noqa: F401 - the session's model directories
+    released_orientation,
+    tiny_qwen3_vl,
+    tiny_qwen3_vl_moe,
+    tiny_vl,
+)
 from tests.vlm_parity import build, model_group
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -39,10 +46,20 @@ def save(state: dict, ckpt, group: dict, iteration: int = 1):
     return path
 
 
-@pytest.fixture(scope="module", params=["tiny_vl", "tiny_qwen3_vl"], ids=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(
+    scope="module",
+    params=["tiny_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "released"],
+    ids=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_released"],
+)
 def case(request, one_rank_megatron, tmp_path_factory):
-    """``(source dir, model group, sharded state dict, checkpoint of it)`` for each family, no training."""
-    source = request.getfixturevalue(request.param)
+    """``(source dir, model group, sharded state dict, checkpoint of it)`` for each family, no training;
+    ``released``: the Qwen3-VL-MoE directory with its fused experts in the released checkpoints' orientation."""
+    if request.param == "released":
+        source = released_orientation(
+            request.getfixturevalue("tiny_qwen3_vl_moe"), tmp_path_factory.mktemp("source") / "released"
+        )
+    else:
+        source = request.getfixturevalue(request.param)
     group = model_group(source, SEQ)
     model, _ = build(source, group, ONE_RANK, SEQ)
     state = model.sharded_state_dict()
@@ -77,7 +94,8 @@ def test_import_then_export_gives_back_every_tensor_of_the_source_bit_for_bit(ca
     assert sorted(exported) == sorted(original)
     assert bitwise_differences(original, exported) == []
     nested = any(n.startswith("model.language_model.") for n in original)
-    assert nested == ("qwen3" in source.name)  # the two layouts transformers 5.24 writes, both covered
+    qwen2_5 = json.loads((source / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+    assert nested != qwen2_5  # the two layouts transformers 5.24 writes, both covered
     assert any(n.startswith("model.visual." if nested else "visual.") for n in exported)
 
 
@@ -169,11 +187,16 @@ def test_a_source_tensor_the_checkpoint_does_not_give_stops_the_export_naming_it
         export_checkpoint(iteration, tmp_path / "out")
 
 
-def test_a_qwen3_vl_moe_run_is_refused_naming_its_architecture(tmp_path):
-    from thdpack.hf.vl_export import vl_checkpoint_hf_tensors
+def test_a_chained_optimizers_state_is_not_exported(case, tmp_path):
+    """An expert-parallel MoE run chains one optimizer per parameter group: its state is saved under
+    ``chained_<i>.optimizer.*``, beside the model, and is no tensor of the model."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLMoeForConditionalGeneration"]}))
-    with pytest.raises(ValueError, match="Qwen3VLMoeForConditionalGeneration.*does not export this family"):
-        vl_checkpoint_hf_tensors(tmp_path / "iter_0000001", hf)
+    from thdpack.hf.export import export_checkpoint
+
+    source, group, state, _ = case
+    key = "chained_1.optimizer.state.exp_avg.language_model.decoder.final_layernorm.weight"
+    moment = ShardedTensor.from_rank_offsets(key, torch.ones(64))
+    iteration = save({**state, "moment": moment}, tmp_path / "ckpt", group)
+    exported = exported_tensors(export_checkpoint(iteration, tmp_path / "out"))
+    assert sorted(exported) == sorted(source_tensors(source))

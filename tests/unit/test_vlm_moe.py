@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import inspect
 import json
-import shutil
 
 import pytest
 import torch
 
-from tests.vlm_models import tiny_qwen3_vl_moe  # noqa: F401 - the session's model directory
+from tests.vlm_models import released_orientation, tiny_qwen3_vl_moe  # noqa: F401 - the session's model directory
 from tests.vlm_parity import _owners, build, mixed_chats, model_group, samples, thdpack_forward
 from thdpack.hf.config import HFConfigError
 from thdpack.hf.processor import VLProcessor
@@ -94,23 +93,9 @@ def test_every_token_goes_to_the_experts_transformers_picks_in_every_layer(
     assert margin > 1e-4
 
 
-def released_orientation(directory, tmp_path):
-    """A copy of ``directory`` with its fused experts stored as the released checkpoints store them
-    (``[E, H, 2I]``, ``[E, I, H]``: transformers 4.57's orientation)."""
-    from safetensors.torch import load_file, save_file
-
-    copy = tmp_path / "released"
-    shutil.copytree(directory, copy)
-    tensors = load_file(copy / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        tensors[name] = tensors[name].transpose(1, 2).contiguous()
-    save_file(tensors, copy / "model.safetensors")
-    return copy
-
-
 def fused_reader(directory):
+    from thdpack.hf.fused_experts import FusedExpertsReader
     from thdpack.hf.load import SafetensorsReader
-    from thdpack.hf.qwen3_vl_moe import FusedExpertsReader
     from thdpack.hf.vl_checkpoint import LanguageModelReader
 
     return FusedExpertsReader(LanguageModelReader(SafetensorsReader(directory)), 4, 64, 48)
@@ -121,7 +106,7 @@ def test_both_fused_expert_orientations_read_as_the_same_per_expert_weights(tiny
 
     saved, released = (
         fused_reader(tiny_qwen3_vl_moe),
-        fused_reader(released_orientation(tiny_qwen3_vl_moe, tmp_path)),
+        fused_reader(released_orientation(tiny_qwen3_vl_moe, tmp_path / "released")),
     )
     assert saved.names() == released.names()
     fused = load_file(tiny_qwen3_vl_moe / "model.safetensors")
@@ -143,14 +128,106 @@ def test_both_fused_expert_orientations_read_as_the_same_per_expert_weights(tiny
 def test_fused_experts_of_another_shape_are_refused_naming_the_layer_and_both_orientations(
     tiny_qwen3_vl_moe,  # noqa: F811
 ):
+    from thdpack.hf.fused_experts import FusedExpertsReader
     from thdpack.hf.load import SafetensorsReader
-    from thdpack.hf.qwen3_vl_moe import FusedExpertsReader
     from thdpack.hf.vl_checkpoint import LanguageModelReader
 
     with pytest.raises(
         ValueError, match=r"layer 0's fused experts .* needs \[4, 64, 64\] .* or \[4, 64, 64\]"
     ):
         FusedExpertsReader(LanguageModelReader(SafetensorsReader(tiny_qwen3_vl_moe)), 4, 64, 32)
+
+
+@pytest.mark.parametrize("orientation", ["transformers_5", "released"])
+def test_the_per_expert_weights_read_fuse_back_into_the_source_tensors_bit_for_bit(
+    tiny_qwen3_vl_moe,  # noqa: F811
+    tmp_path,
+    orientation,
+):
+    """Import and export are inverses: the reader's per-expert tensors, fused in the orientation of the source's
+    shapes, are the source's fused tensors (names, shapes, bits)."""
+    from safetensors.torch import load_file
+
+    from thdpack.hf.fused_experts import fuse_experts
+
+    directory = tiny_qwen3_vl_moe
+    if orientation == "released":
+        directory = released_orientation(tiny_qwen3_vl_moe, tmp_path / "released")
+    reader, source = fused_reader(directory), load_file(directory / "model.safetensors")
+    experts = {n: reader.read(n) for n in reader.names() if ".mlp.experts." in n}
+    assert len(experts) == 3 * 4 * 3  # layers x experts x (gate, up, down)
+    shapes = {n.replace("model.language_model.", "model."): list(t.shape) for n, t in source.items()}
+    fused = fuse_experts(experts, shapes, 4, 64, 48, "checkpoint", "source")
+    assert sorted(fused) == sorted(
+        n for n in shapes if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    )
+    for name, tensor in fused.items():
+        original = source[name.replace("model.", "model.language_model.", 1)]
+        assert tensor.dtype == original.dtype and torch.equal(tensor, original), name
+
+
+def hand_written_experts(experts=2, hidden=4, intermediate=3, prefix="model.language_model."):
+    """Per-expert tensors of one layer, every weight distinct: ``(tensors, source shapes out x in)``."""
+    tensors, values = {}, iter(range(10**6))
+    for e in range(experts):
+        for part, shape in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
+                            ("down", (hidden, intermediate))):  # fmt: skip
+            n = shape[0] * shape[1]
+            weight = torch.tensor([float(next(values)) for _ in range(n)]).reshape(shape)
+            tensors[f"{prefix}layers.0.mlp.experts.{e}.{part}_proj.weight"] = weight
+    shapes = {
+        f"{prefix}layers.0.mlp.experts.gate_up_proj": [experts, 2 * intermediate, hidden],
+        f"{prefix}layers.0.mlp.experts.down_proj": [experts, hidden, intermediate],
+    }
+    return tensors, shapes
+
+
+def test_fusing_stacks_gate_then_up_per_expert_in_the_sources_orientation():
+    from thdpack.hf.fused_experts import fuse_experts
+
+    tensors, shapes = hand_written_experts()
+    p = "model.language_model.layers.0.mlp.experts."
+    fused = fuse_experts(tensors, shapes, 2, 4, 3, "ckpt", "source")
+    assert fused[p + "gate_up_proj"].shape == (2, 6, 4) and fused[p + "down_proj"].shape == (2, 4, 3)
+    assert torch.equal(fused[p + "gate_up_proj"][1, :3], tensors[p + "1.gate_proj.weight"])
+    assert torch.equal(fused[p + "gate_up_proj"][1, 3:], tensors[p + "1.up_proj.weight"])
+    assert torch.equal(fused[p + "down_proj"][0], tensors[p + "0.down_proj.weight"])
+    released = {p + "gate_up_proj": [2, 4, 6], p + "down_proj": [2, 3, 4]}
+    transposed = fuse_experts(tensors, released, 2, 4, 3, "ckpt", "source")
+    assert torch.equal(transposed[p + "gate_up_proj"], fused[p + "gate_up_proj"].transpose(1, 2))
+    assert torch.equal(transposed[p + "down_proj"], fused[p + "down_proj"].transpose(1, 2))
+    assert transposed[p + "gate_up_proj"].is_contiguous()
+
+
+def test_an_expert_missing_from_the_checkpoint_stops_the_fusing_naming_it():
+    from thdpack.hf.fused_experts import fuse_experts
+
+    tensors, shapes = hand_written_experts()
+    del tensors["model.language_model.layers.0.mlp.experts.1.up_proj.weight"]
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt: the checkpoint gives no \['model\.language_model\.layers\.0\.mlp\.experts\.1\.up_proj"
+        r"\.weight'\].*all 2 experts \(num_experts\)",
+    ):
+        fuse_experts(tensors, shapes, 2, 4, 3, "ckpt", "source")
+
+
+def test_source_shapes_of_neither_orientation_stop_the_fusing_naming_the_tensor_and_both_rules():
+    from thdpack.hf.fused_experts import fuse_experts
+
+    tensors, shapes = hand_written_experts()
+    p = "model.language_model.layers.0.mlp.experts."
+    shapes[p + "down_proj"] = [2, 3, 4]  # gate_up out x in, down in x out: no orientation fits the pair
+    with pytest.raises(
+        ValueError,
+        match=r"source \('model\.language_model\.layers\.0\.mlp\.experts\.gate_up_proj'\): layer 0's fused "
+        r"experts are gate_up_proj \[2, 6, 4\] and down_proj \[2, 3, 4\].*needs \[2, 6, 4\] and \[2, 4, 3\] "
+        r"\(transformers 5\.x\) or \[2, 4, 6\] and \[2, 3, 4\] \(the released checkpoints\)",
+    ):
+        fuse_experts(tensors, shapes, 2, 4, 3, "ckpt", "source")
+    del shapes[p + "down_proj"]
+    with pytest.raises(ValueError, match=r"source: the source directory has no \['model.*down_proj'\]"):
+        fuse_experts(tensors, shapes, 2, 4, 3, "ckpt", "source")
 
 
 def test_the_model_group_is_the_qwen3_moe_group_with_mrope_and_its_family(tiny_qwen3_vl_moe):  # noqa: F811

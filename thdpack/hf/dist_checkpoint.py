@@ -18,7 +18,9 @@ What the checkpoint holds, from megatron-core 0.16.1's ``sharded_state_dict`` co
   names (``self_attention.linear_qkv.layer_norm_weight``; ``mlp.linear_fc1.layer_norm_weight`` even for MoE
   layers), Transformer Engine's MoE spec keeps a separate ``pre_mlp_layernorm.weight``;
 - beside the model: ``_extra_state`` objects of Transformer Engine modules and ``rng_state`` (stored as bytes),
-  the optimizer's tensors (``optimizer.*``); scheduler and thdpack's own entries live in ``common.pt``.
+  the optimizer's tensors (``optimizer.*``; ``chained_<i>.optimizer.*`` where megatron-core chains one optimizer
+  per parameter group, as for expert-parallel MoE runs: dense and expert parameters reduce over different data
+  parallel groups); scheduler and thdpack's own entries live in ``common.pt``.
 
 Only model tensors are read (the optimizer's are about three times their size). Names are returned as one model
 holding every layer and expert would have them; :mod:`thdpack.hf.mapping` takes either spec's names. A model that
@@ -44,6 +46,8 @@ _STACKED_EXPERTS = "mlp.experts.experts."
 # Where a GPTModel's own names start: the model itself, or the language model of a vision-language wrapper.
 _GPT_PREFIXES = ("", "language_model.")
 _PER_LAYER = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.")
+# ChainedOptimizer.sharded_state_dict prefixes each optimizer's keys with chained_<i>.
+_OPTIMIZER = re.compile(r"(?:chained_\d+\.)?optimizer\.")
 
 
 def _layers_prefix(key: str) -> str | None:
@@ -57,7 +61,7 @@ def _layers_prefix(key: str) -> str | None:
 def _is_model_tensor(key: str) -> bool:
     # Transformer Engine's _extra_state and the RNG states are ShardedObjects (bytes, not tensors): skipped by
     # kind in model_tensor_keys, and by name here should a writer ever store one as a tensor.
-    return not (key.startswith("optimizer.") or key.startswith("rng_state") or "_extra_state" in key)
+    return not (_OPTIMIZER.match(key) or key.startswith("rng_state") or "_extra_state" in key)
 
 
 def _stacked_axes(key: str) -> tuple[str, ...]:

@@ -10,8 +10,8 @@ grouped-GEMM experts), maps them with :mod:`thdpack.hf.mapping` and writes ``con
 with ``model.safetensors.index.json``, and the tokenizer and processor files. No model is built. The tensors keep
 the checkpoint's dtype and bits.
 
-Vision-language runs (Qwen2.5-VL, Qwen3-VL; :mod:`thdpack.hf.vl_export`): the language model through the same
-mapping, the vision tower (transformers' module, frozen or trained) as the checkpoint holds it, every tensor
+Vision-language runs (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; :mod:`thdpack.hf.vl_export`): the language model
+through the same mapping (Qwen3-VL-MoE's experts fused back as the source stored them), the vision tower (transformers' module, frozen or trained) as the checkpoint holds it, every tensor
 under the name the source directory gave it (``model.layers.*`` / ``visual.*`` or ``model.language_model.*`` /
 ``model.visual.*``), exactly the source's set of tensors.
 

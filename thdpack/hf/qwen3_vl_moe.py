@@ -5,18 +5,13 @@ model, imported through the text Qwen3-MoE import (router, experts, expert paral
 Against the text Qwen3-MoE (``Qwen3MoeForCausalLM``), per transformers' ``modeling_qwen3_vl_moe.py``:
 
 * the experts of a layer are stored fused (``Qwen3VLMoeTextExperts``): ``mlp.experts.gate_up_proj`` holds every
-  expert's ``[gate; up]`` and ``mlp.experts.down_proj`` every expert's down projection, in one of two
-  orientations:
-
-  - ``[E, 2I, H]`` and ``[E, H, I]`` (``nn.Linear``'s ``out x in``): what transformers 5.x's model holds and
-    ``save_pretrained`` writes;
-  - ``[E, H, 2I]`` and ``[E, I, H]`` (``in x out``, the released checkpoints, written by transformers 4.57):
-    transformers 5.x transposes them on load (``conversion_mapping.py``: ``Transpose(1, 2, check_dims=True)``).
-
-  :class:`FusedExpertsReader` shows each expert's slice as the text family's per-expert tensors
-  (``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``...), so the text import reads only this rank's experts (expert
-  parallelism) and splits them as it does for Qwen3-MoE. The orientation is the one that fits both tensors of
-  the layer (the pair is never ambiguous: ``H == 2I`` and ``H == I`` cannot both hold);
+  expert's ``[gate; up]`` and ``mlp.experts.down_proj`` every expert's down projection, ``out x in``
+  (transformers 5.x) or ``in x out`` (the released checkpoints): :mod:`thdpack.hf.fused_experts`.
+  :class:`~thdpack.hf.fused_experts.FusedExpertsReader` shows each expert's slice as the text family's per-expert
+  tensors (``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``...), so the text import reads only this rank's experts
+  (expert parallelism) and splits them as it does for Qwen3-MoE; the export
+  (:mod:`thdpack.hf.vl_export`) stacks them back in the source's orientation
+  (:func:`~thdpack.hf.fused_experts.fuse_experts`);
 * the router (``mlp.gate.weight``, ``[E, H]``) always renormalises its top-k probabilities (``router_top_value /=
   router_top_value.sum(...)``, whatever ``norm_topk_prob`` says): imported as Qwen3-MoE with ``norm_topk_prob``
   true (Megatron: top-k of the logits, softmax over those k); a ``config.json`` that says ``norm_topk_prob: false``
@@ -30,17 +25,16 @@ checkpoint. Tested with transformers 5.24.0 (CPU).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from . import qwen3_vl, vl_checkpoint
 from .config import HFConfigError
+from .fused_experts import FusedExpertsReader
 
 __all__ = [
     "ARCHITECTURES",
     "FAMILY",
-    "FusedExpertsReader",
     "build_vision_tower",
     "deepstack_layers",
     "load_language_model",
@@ -99,83 +93,6 @@ def model_group(config: Mapping, *, seq_length: int, tp: int = 1) -> dict:
     )
     group.update(name="hf_qwen3_vl_moe", family=FAMILY)
     return group
-
-
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)\Z")
-
-
-class FusedExpertsReader:
-    """A Qwen3-VL-MoE checkpoint's language model as the text Qwen3-MoE import reads it: the tensors of
-    :class:`~thdpack.hf.vl_checkpoint.LanguageModelReader` (``reader``), with each layer's fused experts shown as
-    ``model.layers.{l}.mlp.experts.{e}.{gate_proj,up_proj}.weight`` ``[I, H]`` and ``...{e}.down_proj.weight``
-    ``[H, I]`` (``nn.Linear`` weights of expert ``e``). A read touches only the asked expert's slice of the fused
-    tensor (its rows on the fused tensor's second dimension; the rest of the expert is cut in memory)."""
-
-    def __init__(self, reader, experts: int, hidden: int, intermediate: int):
-        self.reader, self.directory = reader, reader.directory
-        self._names = set(reader.names())
-        self._virtual: dict[
-            str, tuple[str, int, str, bool]
-        ] = {}  # name -> (fused name, expert, part, in x out)
-        layers = {}
-        for name in self._names:
-            m = _FUSED.match(name)
-            if m:
-                layers.setdefault(int(m[1]), {})[m[2]] = name
-        e, h, i = experts, hidden, intermediate
-        for layer, fused in sorted(layers.items()):
-            if set(fused) != {"gate_up_proj", "down_proj"}:
-                raise ValueError(
-                    f"{self.where(next(iter(fused.values())))}: layer {layer} holds {sorted(fused)} of its fused "
-                    "experts: gate_up_proj and down_proj go together"
-                )
-            gate_up, down = (tuple(reader.shape(fused[k])) for k in ("gate_up_proj", "down_proj"))
-            if gate_up == (e, 2 * i, h) and down == (e, h, i):
-                transposed = False
-            elif gate_up == (e, h, 2 * i) and down == (e, i, h):
-                transposed = True
-            else:
-                raise ValueError(
-                    f"{self.where(fused['gate_up_proj'])}: layer {layer}'s fused experts are gate_up_proj "
-                    f"{list(gate_up)} and down_proj {list(down)}, but config.json (num_experts {e}, hidden_size "
-                    f"{h}, moe_intermediate_size {i}) needs [{e}, {2 * i}, {h}] and [{e}, {h}, {i}] (transformers "
-                    f"5.x) or [{e}, {h}, {2 * i}] and [{e}, {i}, {h}] (the released checkpoints)"
-                )
-            self._names -= set(fused.values())
-            for expert in range(e):
-                prefix = f"model.layers.{layer}.mlp.experts.{expert}."
-                for part, source in (("gate", "gate_up_proj"), ("up", "gate_up_proj"), ("down", "down_proj")):
-                    self._virtual[f"{prefix}{part}_proj.weight"] = (fused[source], expert, part, transposed)
-        self._shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
-        self._intermediate = i
-
-    def names(self) -> set[str]:
-        return self._names | set(self._virtual)
-
-    def shape(self, name: str):
-        if name in self._virtual:
-            return self._shapes[self._virtual[name][2]]
-        return self.reader.shape(name)
-
-    def read(self, name: str, rows=slice(None), cols=slice(None)):
-        if name not in self._virtual:
-            return self.reader.read(name, rows, cols)
-        fused, expert, part, transposed = self._virtual[name]
-        # The virtual tensor's rows within the fused tensor: the up half of gate_up follows the gate half.
-        offset = self._intermediate if part == "up" else 0
-        n_rows, n_cols = self._shapes[part]
-        start, stop, _ = rows.indices(n_rows)
-        rows = slice(start + offset, stop + offset)
-        expert = slice(expert, expert + 1)
-        if not transposed:  # [E, out, in]: the expert's out rows, then its in columns
-            return self.reader.read(fused, expert, rows)[0][:, cols]
-        return self.reader.read(fused, expert, cols)[0][:, rows].T  # [E, in, out]
-
-    def where(self, name: str) -> str:
-        if name in self._virtual:
-            fused, expert, _, _ = self._virtual[name]
-            return f"{self.reader.where(fused)} (expert {expert})"
-        return self.reader.where(name)
 
 
 def load_language_model(gpt, directory: str | Path) -> int:

@@ -1,9 +1,14 @@
-"""A vision-language run's checkpoint (Qwen2.5-VL, Qwen3-VL) as the Hugging Face tensors of its source directory.
+"""A vision-language run's checkpoint (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) as the Hugging Face tensors of its source
+directory.
 
 The model (:class:`thdpack.megatron.vlm.VisionLanguageModel`) saves two parts in its distributed checkpoint:
 
 * ``language_model.*``: Megatron's ``GPTModel``, converted by the text export (:func:`thdpack.hf.checkpoint_hf.gpt_hf_tensors`,
   the text families' mapping) to text-model names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``);
+  Qwen3-VL-MoE's per-expert tensors (``mlp.experts.{e}.gate_proj.weight``...) are stacked back into the layer's
+  fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` in the orientation the source directory stored
+  them (:func:`thdpack.hf.fused_experts.fuse_experts`: ``[E, 2I, H]`` / ``[E, H, I]`` as transformers 5.x saves,
+  or ``[E, H, 2I]`` / ``[E, I, H]`` as the released checkpoints);
 * ``visual.*``: transformers' own vision tower module, one whole tensor per parameter under the module's names,
   frozen (``model.freeze_vision``, the default) or trained: written as the checkpoint holds them.
 
@@ -24,9 +29,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint_hf import gpt_hf_tensors, run_config
+from .fused_experts import fuse_experts
 from .vl_checkpoint import VISION_PREFIXES, _safetensors_files, text_config
-
-NOT_EXPORTED = {"Qwen3VLMoeForConditionalGeneration"}  # fused experts: written back per expert today
 
 __all__ = ["SOURCE_TENSORS", "source_tensor_record", "vl_checkpoint_hf_tensors", "write_source_tensor_record"]
 
@@ -86,13 +90,6 @@ def vl_checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> d
     from .dist_checkpoint import checkpoint_tensors
 
     iteration_dir, hf_dir = Path(iteration_dir), Path(hf_dir)
-    architectures = read_hf_config(hf_dir).get("architectures") or []
-    if NOT_EXPORTED & set(architectures):
-        raise ValueError(
-            f"{hf_dir / 'config.json'}: architectures {architectures}: thdpack does not export this family yet "
-            "(its experts are stored fused, one tensor per layer, and the export writes per-expert tensors); "
-            "the checkpoint itself resumes and trains"
-        )
     config, tied, model = run_config(hf_dir)
     source = Path(str(model.get("pretrained", "")))
     record, record_path = _source_record(hf_dir, source)
@@ -115,6 +112,17 @@ def vl_checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> d
     vocab = int(text_config(read_hf_config(hf_dir))["vocab_size"])
     text = gpt_hf_tensors(language, config, tied, vocab, iteration_dir, hf_dir, prefix=_GPT)
     out = {_hf_name(n, nested): t for n, t in text.items()}
+    if config.num_moe_experts:  # Qwen3-VL-MoE: one fused pair per layer, as the source stored it
+        shapes = {n: r["shape"] for n, r in record.items()}
+        out = fuse_experts(
+            out,
+            shapes,
+            config.num_moe_experts,
+            config.hidden_size,
+            config.moe_ffn_hidden_size,
+            str(iteration_dir),
+            str(record_path),
+        )
     lm_head = "lm_head.weight"
     if tied and lm_head in record and lm_head not in out:
         # A tied source may keep lm_head equal to the embedding (thdpack's import allows it): so does the export.
