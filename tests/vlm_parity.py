@@ -165,7 +165,7 @@ def thdpack_forward(
     model, sample_list, seq_length: int, cp_size: int = 1, cp_rank: int = 0, tp_size: int = 1, sp=False
 ):
     """This rank's packed forward of the whole batch: ``(logits [t, V] of its real tokens, (sample, position)
-    of each, loss sum, loss count)``; logits gathered over TP."""
+    of each, loss sum, loss count)``; logits gathered over TP; None on a pipeline stage before the last."""
     from megatron.core import tensor_parallel
 
     from thdpack.megatron.packed_seq_params import thd_packed_seq_params
@@ -186,8 +186,12 @@ def thdpack_forward(
         vision_index=shard.extra["vision_index"],
     )
     with torch.no_grad():
-        logits = model(shard.tokens, shard.mrope_position_ids, None, **kwargs)
-        losses = model(shard.tokens, shard.mrope_position_ids, None, labels=labels, **kwargs)
+        logits = through_the_pipeline(model, shard.tokens, shard.mrope_position_ids, None, **kwargs)
+        losses = through_the_pipeline(
+            model, shard.tokens, shard.mrope_position_ids, None, labels=labels, **kwargs
+        )
+    if logits is None:  # not the last pipeline stage: it gave its hidden states to the next one
+        return None
     if tp_size > 1:
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     logits = logits.reshape(-1, logits.shape[-1])
@@ -203,6 +207,28 @@ def thdpack_forward(
     mask = shard.loss_mask.reshape(-1)
     loss_sum = float(torch.where(mask > 0, losses.reshape(-1), torch.zeros(())).sum())
     return logits[real], [where[i] for i in real], loss_sum, int((mask > 0).sum())
+
+
+def through_the_pipeline(model, tokens, *args, **kwargs):
+    """``model(tokens, *args, **kwargs)`` of one micro-batch over the pipeline stages, forward only: a stage after
+    the first takes the previous stage's hidden states ``[s, b, hidden]`` (``set_input_tensor``), a stage before
+    the last sends its own on. The last stage's output; None on the others. Every stage gets the same arguments
+    (the MRoPE ids included: each stage applies them to its own layers)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return model(tokens, *args, **kwargs)
+    group = ps.get_pipeline_model_parallel_group()
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+        model.set_input_tensor(hidden)
+    out = model(tokens, *args, **kwargs)
+    if ps.is_pipeline_last_stage():
+        return out
+    dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
+    return None
 
 
 def _owners(packed) -> dict[int, tuple[int, int]]:

@@ -1,7 +1,8 @@
 """L1: thdpack's packed Qwen2.5-VL, Qwen3-VL (DeepStack included) and Qwen3-VL-MoE equal transformers per sample
 under context parallelism (the vision tower on every CP rank, image embeddings scattered into each rank's zigzag
 shard), tensor parallelism with sequence parallelism (scattered before the sequence split) and, for the MoE family,
-expert parallelism (half the experts on each rank, alone or over the CP ranks); MRoPE ids of every shard equal
+expert parallelism (half the experts on each rank, alone or over the CP ranks) and, for the dense families, pipeline
+parallelism (the vision tower and DeepStack layers on the first stage); MRoPE ids of every shard equal
 get_rope_index's."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from tests.vlm_models import build_tiny_vl
 pytestmark = pytest.mark.functional
 
 CASES = [
-    *((family, layout) for family in ("qwen2_5_vl", "qwen3_vl") for layout in ("cp2", "tp2_sp")),
+    *((family, layout) for family in ("qwen2_5_vl", "qwen3_vl") for layout in ("cp2", "tp2_sp", "pp2")),
     *(("qwen3_vl_moe", layout) for layout in ("ep2", "ep2_cp2", "tp2_sp")),
 ]
 
@@ -42,3 +43,5 @@ def test_vlm_logits_and_loss_equal_transformers(run_torchrun, directories, famil
     line = next((line for line in out.splitlines() if "VLM PARITY OK" in line), "")
     print(line)
     assert f"VLM PARITY OK {layout}" in line
+    if layout == "pp2":  # tiny Qwen3-VL: DeepStack after layers 1 and 2, both on the first stage
+        assert "layers per stage " + ("[[1, 2], [3]]" if family == "qwen3_vl" else "[[1], [2]]") in line

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from tests.vlm_models import tiny_qwen3_vl  # noqa: F401 - the session's model directory
 from thdpack.training.checks import ConfigError, check_recipe
 from thdpack.training.recipe import resolve_recipe
 from thdpack.training.recipe_keys import GROUPS, check_keys, group_options, recipes_dir
@@ -476,3 +477,28 @@ def test_every_data_parallel_rank_needs_a_sample_of_the_global_batch():
         match=r"dataset\.global_batch_size \(1\) is below the 2 data-parallel ranks",
         world_size=2,
     )
+
+
+def test_layers_that_do_not_split_over_the_pipeline_stages_name_the_uneven_split_keys():
+    # tiny_gpt: 2 layers; Megatron's own assertion names no key a recipe sets
+    fails(
+        "parallel.pipeline_model_parallel_size=3",
+        match=r"model\.config\.num_layers \(2\) does not divide over .*=3 .*num_layers_in_first_pipeline_stage",
+        world_size=3,
+    )
+    assert check("model.config.num_layers=3", "+model.config.num_layers_in_first_pipeline_stage=1", "parallel=pp2",
+                 world_size=2) == []  # fmt: skip
+
+
+def test_a_first_pipeline_stage_without_every_deepstack_layer_is_refused_naming_the_key(tiny_qwen3_vl):  # noqa: F811
+    # tiny Qwen3-VL: 3 decoder layers, DeepStack features after layers 1 and 2, the vision tower on stage 1
+    vl = ("model=hf", f"model.pretrained={tiny_qwen3_vl}", "dataset=embedded_vlm", "parallel=pp2")
+    fails(*vl, match=r"num_layers \(3\) does not divide over", world_size=2)
+    fails(
+        *vl,
+        "+model.config.num_layers_in_first_pipeline_stage=1",
+        match=r"DeepStack .* layers 1\.\.2 .* holds 1: set model\.config\.num_layers_in_first_pipeline_stage to at "
+        r"least 2",
+        world_size=2,
+    )
+    assert check(*vl, "+model.config.num_layers_in_first_pipeline_stage=2", world_size=2) == []

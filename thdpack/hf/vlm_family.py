@@ -29,7 +29,7 @@ from thdpack.megatron.vlm import (
 
 from .vl_checkpoint import read_vl_config, vl_module
 
-__all__ = ["QWEN2_5_VL", "QWEN3_VL", "QWEN3_VL_MOE", "build_vlm"]
+__all__ = ["QWEN2_5_VL", "QWEN3_VL", "QWEN3_VL_MOE", "build_vlm", "check_vlm_recipe"]
 
 log = logging.getLogger("thdpack")
 
@@ -72,6 +72,21 @@ def build_vlm(
     )
 
 
+def check_vlm_recipe(cfg: Mapping) -> None:
+    """The VL families' start-up rule (``ModelFamily.check``): under pipeline parallelism the first stage, which
+    runs the vision tower, holds every DeepStack layer (Qwen3-VL; :func:`thdpack.megatron.deepstack.
+    check_deepstack_split`). Raises ``ValueError`` naming the key."""
+    from thdpack.megatron.deepstack import check_deepstack_split
+    from thdpack.megatron.parallel_layout import first_stage_layers
+
+    model, pp = cfg["model"], int(cfg["parallel"]["pipeline_model_parallel_size"])
+    if pp <= 1 or not model.get("pretrained"):
+        return
+    hf = read_vl_config(model["pretrained"])
+    layers = vl_module(hf).deepstack_layers(hf)
+    check_deepstack_split(first_stage_layers(model.get("config") or {}, pp), layers, pp)
+
+
 _MODEL_KEYS = (
     "pretrained",
     "freeze_vision",
@@ -88,6 +103,7 @@ QWEN2_5_VL = ModelFamily(
     model_keys=_MODEL_KEYS,
     transform=vlm_batch_transform,
     carry_keys=VISION_KEYS,
+    check=check_vlm_recipe,
 )
 
 QWEN3_VL = ModelFamily(
@@ -97,6 +113,7 @@ QWEN3_VL = ModelFamily(
     model_keys=_MODEL_KEYS,
     transform=vlm_batch_transform,
     carry_keys=VISION_KEYS,
+    check=check_vlm_recipe,
 )
 
 QWEN3_VL_MOE = ModelFamily(
@@ -106,4 +123,5 @@ QWEN3_VL_MOE = ModelFamily(
     model_keys=_MODEL_KEYS,
     transform=vlm_batch_transform,
     carry_keys=VISION_KEYS,
+    check=check_vlm_recipe,
 )

@@ -34,6 +34,7 @@ from torch import nn
 __all__ = [
     "DeepStackPackedSeqParams",
     "check_deepstack_placement",
+    "check_deepstack_split",
     "deepstack_addend",
     "enable_deepstack",
     "with_deepstack",
@@ -158,5 +159,19 @@ def check_deepstack_placement(gpt: nn.Module, layers: int, pre_process: bool) ->
             f"DeepStack adds vision features after decoder layers 1..{layers} (vision_config."
             f"deepstack_visual_indexes), which must all be on the first pipeline stage, but this stage "
             f"(first: {pre_process}) holds layers {here[:1] + here[-1:]} (first, last): give the first stage at "
-            f"least {layers} layers (pipeline layout / decoder_first_pipeline_num_layers)"
+            f"least {layers} layers (model.config.num_layers_in_first_pipeline_stage)"
         )
+
+
+def check_deepstack_split(first_stage_layers: int | None, layers: int, pp: int) -> None:
+    """The recipe-time form of :func:`check_deepstack_placement`: raise ``ValueError`` naming the key when the
+    first of ``pp`` pipeline stages holds ``first_stage_layers`` decoder layers (None: a split Megatron decides;
+    the model's build checks it) and fewer than the ``layers`` that get DeepStack features."""
+    if pp <= 1 or not layers or first_stage_layers is None or first_stage_layers >= layers:
+        return
+    raise ValueError(
+        f"DeepStack (Qwen3-VL) adds vision features after decoder layers 1..{layers} (vision_config."
+        f"deepstack_visual_indexes), on the first pipeline stage (which runs the vision tower; the features are not "
+        f"sent between stages), but with parallel.pipeline_model_parallel_size={pp} it holds "
+        f"{first_stage_layers}: set model.config.num_layers_in_first_pipeline_stage to at least {layers}"
+    )

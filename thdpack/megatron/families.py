@@ -51,6 +51,8 @@ class ModelFamily:
         transform: the family's batch hook (``BatchConfig.transform``), or None.
         carry_keys: batch entries that are not token-aligned and that ``forward`` takes from
             ``inputs.extra`` (``BatchConfig.carry_keys``).
+        check: ``(recipe) -> None``: the family's own start-up rules on the resolved recipe (raises
+            ``ValueError`` naming the key and the rule), or None.
     """
 
     name: str
@@ -59,6 +61,7 @@ class ModelFamily:
     model_keys: tuple[str, ...] = ()
     transform: BatchTransform | None = None
     carry_keys: tuple[str, ...] = ()
+    check: Callable[[Mapping], None] | None = None
 
 
 def gpt_forward(model, inputs: ModelInputs):

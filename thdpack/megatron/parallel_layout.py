@@ -9,6 +9,8 @@ them), so the model reloads on any layout. The distributed optimizer's state rel
 flat buffer and reloads only where the model is cut the same way (same TP, PP, CP and EP; the data-parallel size
 may change). A mixture of experts keeps ep either 1 or above 1 (its optimizer's structure depends on it).
 Per-rank random streams never carry over to another layout: they are re-seeded.
+
+:func:`first_stage_layers`: how many decoder layers the first pipeline stage holds, by Megatron's split rule.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["OPTIMIZER_FORMATS", "ParallelLayout", "check_resumable"]
+__all__ = ["OPTIMIZER_FORMATS", "ParallelLayout", "check_resumable", "first_stage_layers"]
 
 # megatron-core's names (DistributedOptimizer.sharded_state_dict, metadata["distrib_optim_sharding_type"])
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -105,3 +107,41 @@ def check_resumable(
             "checkpoint.optimizer_format=fully_reshardable and stop after the next save "
             "(trainer.exit_interval): that checkpoint loads on any layout"
         )
+
+
+# Megatron's other ways to split the layers over pipeline stages: it validates them itself.
+_OTHER_SPLITS = (
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def first_stage_layers(config: Mapping, pp: int) -> int | None:
+    """How many decoder layers the first of ``pp`` pipeline stages holds under ``config`` (the recipe's
+    ``model.config``): ``num_layers_in_first_pipeline_stage`` if set, else an even share of what
+    ``num_layers_in_last_pipeline_stage`` leaves (Megatron checks that split), else ``num_layers / pp``. None where
+    a layout or an ``account_for_*`` split decides (Megatron checks those). Raises ``ValueError`` naming the keys
+    when ``num_layers`` does not divide evenly over ``pp`` stages and no uneven split is given (Megatron's own
+    assertion, transformer_block.py, names no key a recipe can set)."""
+    if pp <= 1:
+        return int(config["num_layers"])
+    if any(config.get(key) for key in _OTHER_SPLITS):
+        return None
+    layers = int(config["num_layers"])
+    first, last = (
+        config.get("num_layers_in_first_pipeline_stage"),
+        config.get("num_layers_in_last_pipeline_stage"),
+    )
+    if first is not None:
+        return int(first)
+    if last is not None:
+        return (layers - int(last)) // (pp - 1)
+    if layers % pp:
+        raise ValueError(
+            f"model.config.num_layers ({layers}) does not divide over parallel.pipeline_model_parallel_size={pp} "
+            "stages: set model.config.num_layers_in_first_pipeline_stage (and/or "
+            "num_layers_in_last_pipeline_stage) so that the other stages share the rest evenly, or change the "
+            "pipeline size"
+        )
+    return layers // pp

@@ -12,6 +12,7 @@ from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
 from thdpack.megatron.fp8 import check_fp8
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
+from thdpack.megatron.parallel_layout import first_stage_layers
 
 from .config_error import ConfigError
 from .memory import check_memory
@@ -86,6 +87,10 @@ def check_recipe(
             f"world size {world_size} is not divisible by parallel.pipeline_model_parallel_size x "
             f"expert_model_parallel_size x tensor_model_parallel_size = {pp} x {ep} x {tp}"
         )
+    try:
+        first_stage_layers(config, pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cp > 1 and not packed:
         raise ConfigError(
             f"parallel.context_parallel_size={cp} needs dataset.pack_sequences_in_batch=true: the padded BSHD "
@@ -151,6 +156,8 @@ def check_recipe(
             )
 
     try:
+        if family.check is not None:
+            family.check(cfg)
         check_output_loss(model, parallel, device)
         check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
         check_fp8(cfg["trainer"], device, backend)

@@ -1,12 +1,14 @@
 """L1 vision-language parity (Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE, as the directory's config.json says) under a parallel layout (torchrun, gloo on CPU): every rank computes transformers'
 reference on each sample alone, then thdpack's packed forward of the whole batch under the layout (CP: the
 vision tower on every rank, image embeddings scattered into each rank's zigzag shard; TP with sequence
-parallelism: scattered before the sequence split). Each rank compares the logits of its own tokens and checks the
-MRoPE ids of its shard against transformers' get_rope_index; the loss sums are reduced over CP.
+parallelism: scattered before the sequence split; PP: the vision tower and the DeepStack layers on the first
+stage, the hidden states sent on, the MRoPE ids given to every stage). Each rank compares the logits of its own
+tokens (on the last pipeline stage) and checks the MRoPE ids of its shard against transformers' get_rope_index; the
+loss sums are reduced over CP.
 
     torchrun --nproc-per-node 2 tests/functional/scripts/vlm_parity.py --layout cp2 --directory DIR
 
-Prints ``VLM PARITY OK <layout> max|dlogit|=... |dloss|=...``; raises otherwise.
+Prints ``VLM PARITY OK <layout> max|dlogit|=... |dloss|=... layers per stage [[...], ...]``; raises otherwise.
 """
 
 from __future__ import annotations
@@ -41,8 +43,24 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "ep2": dict(ep=2),
     "ep2_cp2": dict(ep=2, cp=2),
+    "pp2": dict(pp=2),
 }
 SEQ = 256
+
+
+def first_stage_holds_deepstack(group: dict, directory: str, pp: int) -> dict:
+    """``group`` with ``config.num_layers_in_first_pipeline_stage`` set where the layers do not split evenly over
+    ``pp`` stages or an even split leaves DeepStack layers (Qwen3-VL) off the first stage: the first stage then
+    holds the DeepStack layers and the others share the rest."""
+    from thdpack.hf.config import read_hf_config
+    from thdpack.hf.vl_checkpoint import text_config, vl_module
+
+    hf = read_hf_config(directory)
+    layers, deepstack = int(text_config(hf)["num_hidden_layers"]), vl_module(hf).deepstack_layers(hf)
+    if layers % pp == 0 and layers // pp >= deepstack:
+        return group
+    first = max(deepstack, layers - (pp - 1) * (layers // pp))
+    return {**group, "config": {**group["config"], "num_layers_in_first_pipeline_stage": first}}
 
 
 def main() -> None:
@@ -52,6 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     layout = LAYOUTS[args.layout]
     cp, tp, sp, ep = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False), layout.get("ep", 1)
+    pp = layout.get("pp", 1)
     os.environ["HF_HUB_OFFLINE"] = "1"
     from megatron.core import parallel_state as ps
 
@@ -63,16 +82,23 @@ def main() -> None:
     reference = hf_reference(args.directory, batch)
 
     initialize_model_parallel_cpu(
-        tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep, seed=1234
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        seed=1234,
     )
     parallel = dict(
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         sequence_parallel=sp,
     )
-    model, config = build(args.directory, model_group(args.directory, SEQ, tp), parallel, SEQ)
+    group = model_group(args.directory, SEQ, tp)
+    if pp > 1:
+        group = first_stage_holds_deepstack(group, args.directory, pp)
+    model, config = build(args.directory, group, parallel, SEQ)
     assert config.sequence_parallel == sp
     if ep > 1:
         experts = config.num_moe_experts
@@ -80,8 +106,11 @@ def main() -> None:
         local = model.language_model.decoder.layers[0].mlp.experts.num_local_experts
         assert local == experts // ep, (local, experts, ep)
     cp_rank = ps.get_context_parallel_rank()
-    logits, where, loss_sum, count = thdpack_forward(model, batch, SEQ, cp, cp_rank, tp, sp)
-    difference = max_logit_difference(reference, logits, where)
+    last_stage = ps.is_pipeline_last_stage()
+    out = thdpack_forward(model, batch, SEQ, cp, cp_rank, tp, sp)
+    # a stage before the last has no logits: it checks the MRoPE ids of its layers only
+    logits, where, loss_sum, count = out if last_stage else (None, [], 0.0, 0)
+    difference = max_logit_difference(reference, logits, where) if last_stage else 0.0
 
     # The MRoPE ids this rank's tokens carry are transformers' get_rope_index ids at their sample positions.
     hf = hf_class(args.directory).from_pretrained(args.directory).model
@@ -125,7 +154,7 @@ def main() -> None:
     dist.all_reduce(totals, group=ps.get_context_parallel_group())
     worst = torch.tensor([difference])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    loss = float(totals[0] / totals[1])
+    loss = float(totals[0] / totals[1]) if last_stage else float("nan")
     expected = reference.loss_sum / reference.loss_count
     real_tokens = sum(len(s.tokens) for s in batch)
     checks = {
@@ -135,15 +164,22 @@ def main() -> None:
         "logits within 1e-4": float(worst) <= 1e-4,
         "loss within 1e-5 relative": abs(loss - expected) <= 1e-5 * abs(expected),
     }
+    if not last_stage:
+        checks = {"MRoPE ids equal get_rope_index": checks["MRoPE ids equal get_rope_index"]}
     failed = [name for name, ok in checks.items() if not ok]
     if failed:
         raise SystemExit(
             f"rank {dist.get_rank()}: {args.layout} failed {failed}: max|dlogit|={float(worst):.3g} loss {loss} vs "
             f"{expected}, mrope mismatches {int(totals[2])}, tokens {int(totals[3])}/{real_tokens}"
         )
-    if dist.get_rank() == 0:
+    # the decoder layers (1-based) each pipeline stage holds, for the report
+    stages = [None] * pp
+    held = [layer.layer_number for layer in model.language_model.decoder.layers]
+    dist.all_gather_object(stages, held, group=ps.get_pipeline_model_parallel_group())
+    if dist.get_rank() == dist.get_world_size() - 1:  # on the last pipeline stage
         print(
-            f"VLM PARITY OK {args.layout} max|dlogit|={float(worst):.3g} |dloss|={abs(loss - expected):.3g}"
+            f"VLM PARITY OK {args.layout} max|dlogit|={float(worst):.3g} |dloss|={abs(loss - expected):.3g} "
+            f"layers per stage {stages}"
         )
     ps.destroy_model_parallel()
     dist.destroy_process_group()
