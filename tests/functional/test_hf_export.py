@@ -1,6 +1,7 @@
 """From a Hugging Face directory through packed training to a Hugging Face directory: ``python -m thdpack.train
-model=hf model.pretrained=DIR`` under torchrun (2 ranks, TP2 with sequence parallelism, a Qwen3-MoE model: q/k
-norms, router, experts split over tensor parallelism), then ``python -m thdpack.export``. The export is what the
+model=hf model.pretrained=DIR`` under torchrun (2 ranks, a Qwen3-MoE model: q/k norms, router, experts; TP2 with
+sequence parallelism, the experts split over tensor parallelism, or EP2, half the experts on each rank and a
+second optimizer for them), then ``python -m thdpack.export``. The export is what the
 checkpoint holds, bit for bit, and transformers computes with it what thdpack computes with the checkpoint."""
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from .training import REPO_ROOT, environment, run_train, tail
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tp2", "ep2"])
+def exported(request, tmp_path_factory):
     """``(source HF dir, checkpoint dir, exported HF dir)`` of one training run and one export."""
-    root = tmp_path_factory.mktemp("hf_e2e")
+    root = tmp_path_factory.mktemp(f"hf_e2e_{request.param}")
     source = save_model("qwen3_moe", root / "source")
     run_train(
         [
             "model=hf",
             f"model.pretrained={source}",
             f"dataset.tokenizer={source / 'tokenizer.json'}",
-            "parallel=tp2",
+            f"parallel={request.param}",
             "trainer.train_iters=2",
             "trainer.lr_warmup_iters=0",
             f"checkpoint.dir={root / 'ckpt'}",
@@ -68,7 +69,8 @@ def checkpoint_tensors(iteration_dir) -> dict[str, torch.Tensor]:
 
     reader = dcp.FileSystemReader(str(iteration_dir))
     meta = reader.read_metadata().state_dict_metadata
-    keys = [k for k, m in meta.items() if hasattr(m, "size") and not k.startswith("optimizer")]
+    # optimizer state: "optimizer.*", or "chained_<i>.optimizer.*" with a separate optimizer for the experts
+    keys = [k for k, m in meta.items() if hasattr(m, "size") and "optimizer." not in k]
     state = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state
