@@ -96,32 +96,21 @@ _MODEL_KEYS = (
     "share_embeddings_and_output_weights",
 )
 
-QWEN2_5_VL = ModelFamily(
-    name="qwen2_5_vl",
-    build=build_vlm,
-    forward=vlm_forward,
-    model_keys=_MODEL_KEYS,
-    transform=vlm_batch_transform,
-    carry_keys=VISION_KEYS,
-    check=check_vlm_recipe,
-)
 
-QWEN3_VL = ModelFamily(
-    name="qwen3_vl",
-    build=build_vlm,
-    forward=vlm_forward,
-    model_keys=_MODEL_KEYS,
-    transform=vlm_batch_transform,
-    carry_keys=VISION_KEYS,
-    check=check_vlm_recipe,
-)
+def _vl_family(name: str) -> ModelFamily:
+    """The VL families differ only in the checkpoint module their ``config.json`` selects
+    (:mod:`thdpack.hf.vl_checkpoint`): one build, forward, batch hook and recipe check."""
+    return ModelFamily(
+        name=name,
+        build=build_vlm,
+        forward=vlm_forward,
+        model_keys=_MODEL_KEYS,
+        transform=vlm_batch_transform,
+        carry_keys=VISION_KEYS,
+        check=check_vlm_recipe,
+    )
 
-QWEN3_VL_MOE = ModelFamily(
-    name="qwen3_vl_moe",
-    build=build_vlm,
-    forward=vlm_forward,
-    model_keys=_MODEL_KEYS,
-    transform=vlm_batch_transform,
-    carry_keys=VISION_KEYS,
-    check=check_vlm_recipe,
-)
+
+QWEN2_5_VL = _vl_family("qwen2_5_vl")
+QWEN3_VL = _vl_family("qwen3_vl")
+QWEN3_VL_MOE = _vl_family("qwen3_vl_moe")
