@@ -169,10 +169,11 @@ def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(expo
     assert loss == pytest.approx(reference, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "exported", ["qwen3_vl"], indirect=True
+)  # the layout: one family (DeepStack, q/k norms)
 def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
     source, _, out = exported
-    if model_type(source) != "qwen3_vl":
-        pytest.skip("one family is enough for the layout: Qwen3-VL (DeepStack, q/k norms)")
     _, tp2 = train_and_export(source, tmp_path, "parallel=tp2", nproc=2)
     one, two, before = tensors(out), tensors(tp2), tensors(source)
     assert sorted(two) == sorted(one)
@@ -189,14 +190,13 @@ def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
 
 
 @pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("exported", ["qwen3_vl_moe"], indirect=True)  # expert parallelism: the MoE family
 def test_an_ep2_run_exports_what_the_one_rank_run_exports_and_its_logits_equal_thdpacks(exported, tmp_path):
     """Half the experts on each of two ranks: the export puts every expert back in its place in the fused tensors
     (a misplaced expert would differ by the training's whole movement, not by rounding)."""
     from transformers import AutoModelForImageTextToText
 
     source, _, out = exported
-    if model_type(source) != "qwen3_vl_moe" or source.name == "released":
-        pytest.skip("expert parallelism: the MoE family, one orientation")
     ckpt, ep2 = train_and_export(source, tmp_path, "parallel=ep2", nproc=2)
     _, info = AutoModelForImageTextToText.from_pretrained(str(ep2), output_loading_info=True)
     assert not any(info.values()), info
