@@ -39,6 +39,13 @@ def test_fit_picks_the_measured_models_budget(monkeypatch):
     assert fit_micro_batch_tokens(_cfg(), "chunked", 80 * GIB) == 54272
 
 
+def test_the_shipped_llama3_1b_entry_fits_its_measured_card_below_the_budget_that_ran_out_of_memory():
+    h100 = 85017493504  # torch.cuda.get_device_properties(0).total_memory of the H100 80GB HBM3 it was measured on
+    budget = fit_micro_batch_tokens(_cfg(), "chunked", h100)
+    assert 32768 < budget < 49152  # 32,768 tokens trained at 62.2 GiB there; 49,152 ran out of memory
+    assert budget == 41984
+
+
 def test_fit_without_a_measured_model_names_the_key_and_what_to_run():
     with pytest.raises(
         ConfigError, match=r"micro_batch_tokens=fit has no measured memory model .*token_budget.py"

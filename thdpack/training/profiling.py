@@ -3,7 +3,7 @@
 What a step spends, measured where it happens: the step's wall time against the GPU's busy time (kernels and
 copies; a step whose GPU is busy for a small part of its wall time is host-bound), the host time spent inside
 torch operators, the number of kernel launches, and every host-device synchronization with the line of Python
-that caused it (``torch.cuda.set_sync_debug_mode("warn")``). The table of the costliest operators goes to
+that caused it (``torch.cuda.set_sync_debug_mode("warn")``). The costliest operators by device time and by host time go to
 ``profile_step.txt`` in the run directory.
 """
 
@@ -58,17 +58,16 @@ class StepProfile:
         )
         sites = collections.Counter(self.syncs)
         if run_dir is not None:
-            sort = "self_cuda_time_total" if device_us else "self_cpu_time_total"
-            table = events.table(sort_by=sort, row_limit=40)
+            tables = [("host", events.table(sort_by="self_cpu_time_total", row_limit=40))]
+            if device_us:
+                tables.insert(0, ("device", events.table(sort_by="self_cuda_time_total", row_limit=40)))
             lines = [f"{count:5d} x {site}" for site, count in sites.most_common()]
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / "profile_step.txt").write_text(
                 f"wall {self.wall_s * 1e3:.1f} ms, GPU busy {device_us / 1e3:.1f} ms, host in operators "
                 f"{host_us / 1e3:.1f} ms, {launches} kernel launches, {len(self.syncs)} syncs\n"
                 + ("syncs by site:\n" + "\n".join(lines) + "\n" if lines else "")
-                + "\n"
-                + table
-                + "\n"
+                + "".join(f"\noperators by {side} time:\n{table}\n" for side, table in tables)
             )
         return {
             "profile_wall_s": self.wall_s,

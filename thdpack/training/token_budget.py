@@ -38,7 +38,10 @@ class MemoryModel(tuple):
 
 
 # (model.name, resolved model.output_loss, setting_key(trainer)) -> MemoryModel, from benchmarks/token_budget.py
-MEASURED: dict[tuple[str, str, str], MemoryModel] = {}
+MEASURED: dict[tuple[str, str, str], MemoryModel] = {
+    # 8,192 / 16,384 / 32,768 tokens: 34.1 / 43.4 / 62.2 GiB; 49,152 out of memory (token_budget_h100_2026-11-25.md)
+    ("llama3_1b", "chunked", "default"): MemoryModel(26513438976, 1227248, "NVIDIA H100 80GB HBM3"),
+}
 
 
 def setting_key(trainer: Mapping) -> str:
