@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from thdpack.megatron.output_loss import check_output_loss, linear_cross_entropy, resolve_output_loss
@@ -88,6 +90,103 @@ def test_without_weights_every_token_with_a_target_counts_once():
     losses = linear_cross_entropy(hidden, weight, labels)
     reference, _ = _reference(hidden, weight, labels, torch.ones(N))
     torch.testing.assert_close(losses, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol", "scale"),
+    # fp32: 1e-6 relative, and 1e-6 of the largest gradient where a gradient is a sum that nearly cancels (its
+    # error follows its terms, not itself). bf16: the logits are the same bf16 values in both and the losses fp32
+    # statistics of them (1e-6 still); both round the logits' gradient to bf16 before the matrix products, whose
+    # results are bf16 (on CPU also each chunk's weight-gradient product): a bf16 rounding apart, 2^-8 of the
+    # largest gradient, with torch's bf16 rtol.
+    [(torch.float32, 1e-6, 1e-6), (torch.bfloat16, 1.6e-2, 2**-8)],
+    ids=["fp32", "bf16"],
+)
+def test_the_one_pass_softmax_statistics_equal_torchs_cross_entropy(dtype, rtol, scale):
+    torch.manual_seed(2)
+    n, h, v = 37, 16, 1000
+    hidden = (torch.randn(n, h) * 2).to(dtype).requires_grad_()
+    weight = torch.randn(v, h).to(dtype).requires_grad_()  # logits spread over tens: the row max matters
+    labels = torch.randint(0, v, (n,))
+    losses = linear_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+    losses.sum().backward()
+    got = (losses.detach(), hidden.grad.float(), weight.grad.float())
+
+    hidden.grad = weight.grad = None
+    reference = F.cross_entropy((hidden @ weight.t()).float(), labels, reduction="none")
+    reference.sum().backward()
+    torch.testing.assert_close(got[0], reference.detach(), rtol=1e-6, atol=0)
+    for ours, want in zip(got[1:], (hidden.grad.float(), weight.grad.float()), strict=True):
+        torch.testing.assert_close(ours, want, rtol=rtol, atol=scale * want.abs().max().item())
+
+
+# --- tensor parallelism: two ranks (gloo) against one --------------------------------------------------------
+
+TP, TP_VOCAB = 2, 24  # 12 rows of the output layer a rank
+# no padding; the last rank's rows half padding; all padding (its logits all -inf)
+TP_LIMITS = [None, 18, 12]
+
+
+def _tp_inputs(limit):
+    torch.manual_seed(3)
+    hidden = torch.randn(N, H) * 2
+    weight = torch.randn(TP_VOCAB, H)
+    labels = torch.randint(0, limit or TP_VOCAB, (N,))
+    labels[3] = -100
+    mask = torch.tensor([1, 1, 0, 1, 1, 0.5, 1, 1, 0, 1])
+    return hidden, weight, labels, mask
+
+
+def _run(hidden, weight, labels, mask, limit, tp_group=None):
+    hidden = hidden.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    losses = linear_cross_entropy(
+        hidden, weight, labels, mask, tp_group=tp_group, chunk_tokens=3, vocab_limit=limit
+    )
+    (losses * mask).sum().backward()
+    return losses.detach(), hidden.grad, weight.grad
+
+
+def _tp_rank(rank, store, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP)
+    try:
+        rows = slice(rank * TP_VOCAB // TP, (rank + 1) * TP_VOCAB // TP)
+        results = {}
+        for limit in TP_LIMITS:
+            hidden, weight, labels, mask = _tp_inputs(limit)
+            losses, grad_hidden, grad_weight = _run(
+                hidden, weight[rows], labels, mask, limit, dist.group.WORLD
+            )
+            # the hidden states' gradient is a sum over the whole vocabulary: Megatron all-reduces it
+            dist.all_reduce(grad_hidden)
+            results[limit] = (losses, grad_hidden, grad_weight)
+        torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2")
+    mp.spawn(_tp_rank, args=(out / "store", out), nprocs=TP)
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(TP)]
+
+
+@pytest.mark.parametrize("limit", TP_LIMITS, ids=["unpadded", "half_padded_rank", "all_padded_rank"])
+def test_tp2_equals_tp1_with_and_without_padded_vocabulary(tp2_results, limit):
+    hidden, weight, labels, mask = _tp_inputs(limit)
+    want = _run(hidden, weight, labels, mask, limit)
+    reference, _ = _reference(hidden, weight[: limit or TP_VOCAB], labels, mask)
+    torch.testing.assert_close(want[0], reference, rtol=1e-6, atol=1e-6)
+    for rank, results in enumerate(tp2_results):
+        losses, grad_hidden, grad_weight = results[limit]
+        assert losses.isfinite().all() and grad_hidden.isfinite().all() and grad_weight.isfinite().all()
+        torch.testing.assert_close(losses, want[0], rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
+        torch.testing.assert_close(grad_hidden, want[1], rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+    torch.testing.assert_close(torch.cat([r[limit][2] for r in tp2_results]), want[2], rtol=1e-5, atol=1e-6)
+    if limit is not None:
+        assert want[2][limit:].abs().sum() == 0  # padded rows: never predicted, no gradient
 
 
 def test_auto_is_chunked_on_cuda_and_megatron_on_cpu():
