@@ -44,12 +44,14 @@ class Device:
             torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.fixture(
-    params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)],
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
 )
+
+
+@pytest.fixture(params=["cpu", CUDA])
 def device(request, monkeypatch):
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     return Device(request.param, monkeypatch)
 
 

@@ -3,8 +3,8 @@
 What a step spends, measured where it happens: the step's wall time against the GPU's busy time (kernels and
 copies; a step whose GPU is busy for a small part of its wall time is host-bound), the host time spent inside
 torch operators, the number of kernel launches, and every host-device synchronization with the line of Python
-that caused it (``torch.cuda.set_sync_debug_mode("warn")``). The costliest operators by device time and by host time go to
-``profile_step.txt`` in the run directory.
+that caused it (``torch.cuda.set_sync_debug_mode("warn")``). The costliest operators by device time and by host
+time go to ``profile_step.txt`` in the run directory.
 """
 
 from __future__ import annotations
