@@ -219,7 +219,7 @@ class _Kernels:
 
     @staticmethod
     def weighted_softmax_grad(logits, row_max, sum_exp, local, owned, w):
-        probs = (logits.float() - row_max[:, None]).exp() / sum_exp[:, None]
+        probs = (logits.float() - row_max[:, None]).exp() * sum_exp.reciprocal()[:, None]
         columns = torch.arange(logits.shape[1], device=logits.device)
         target = (columns[None, :] == local[:, None]) & owned[:, None]
         grad = torch.where(target, probs - 1.0, probs)
@@ -232,9 +232,12 @@ _KERNELS = _Kernels()
 
 @functools.cache
 def _compiled_kernels() -> _Kernels:
+    # Shapes dynamic only where they change (dynamo's automatic dynamic: the chunk's token count), so the
+    # vocabulary width is a constant of the kernel: with every dimension symbolic, the flattened element-wise
+    # gradient kernel divides a 64-bit index by the width for every logit.
     kernels = _Kernels()
     for name in ("row_max", "sum_exp_and_target", "weighted_softmax_grad"):
-        setattr(kernels, name, torch.compile(getattr(_Kernels, name), dynamic=True))
+        setattr(kernels, name, torch.compile(getattr(_Kernels, name), dynamic=None))
     return kernels
 
 
