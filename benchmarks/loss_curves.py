@@ -32,6 +32,7 @@ VARIANTS = {
     "bf16": ["trainer.precision=bf16"],
     "fp32": ["trainer.precision=fp32"],
     "fp8": ["trainer.precision=fp8", "trainer.fp8_recipe=tensorwise"],
+    "fp8_delayed": ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"],
     "precision_aware": [
         "trainer.precision=bf16",
         "trainer.use_precision_aware_optimizer=true",

@@ -11,9 +11,21 @@ from thdpack.packing import Alignment, cp_partition_indices, pack_bshd
 
 
 def test_fp8_is_hybrid_with_the_recipe_and_nothing_otherwise():
-    assert fp8_config("fp8", "delayed") == {"fp8": "hybrid", "fp8_recipe": "delayed"}
-    assert fp8_config("fp8", None) == {"fp8": "hybrid", "fp8_recipe": "tensorwise"}
+    assert fp8_config("fp8", "tensorwise") == {"fp8": "hybrid", "fp8_recipe": "tensorwise"}
     assert fp8_config("bf16", "delayed") == {}
+
+
+def test_delayed_scaling_is_the_default_with_transformer_engines_amax_history_of_1024_steps_and_its_max():
+    assert (
+        fp8_config("fp8", "delayed")
+        == fp8_config("fp8", None)
+        == {
+            "fp8": "hybrid",
+            "fp8_recipe": "delayed",
+            "fp8_amax_history_len": 1024,
+            "fp8_amax_compute_algo": "max",
+        }
+    )
 
 
 @pytest.mark.parametrize(

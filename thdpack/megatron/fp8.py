@@ -4,7 +4,8 @@ megatron-core runs each transformer layer under TE's ``fp8_autocast`` when ``Tra
 (``hybrid``: E4M3 forward, E5M2 gradients) with the scaling recipe of ``fp8_recipe``; the embedding and the output
 layer stay bf16, the weights stay bf16 parameters (TE casts them per GEMM), the optimizer is unchanged.
 
-Recipes on Hopper (TE 2.x, megatron-core's ``Fp8Recipe``): ``delayed`` (per-tensor scales from an amax history),
+Recipes on Hopper (TE 2.x, megatron-core's ``Fp8Recipe``): ``delayed`` (the default: per-tensor scales from an amax
+history; 1.12x tensorwise's tokens/s on ``llama3_1b``, ``benchmarks/results/speed_h100_2026-11-26.md``),
 ``tensorwise`` (per-tensor current scaling, TE >= 2.2) and ``blockwise`` (1x128 / 128x128 block scales, TE >= 2.3).
 ``mxfp8`` needs Blackwell. FP8 GEMMs need a token dimension that is a multiple of 16 on every GEMM rank (32 for
 MXFP8); the packer pads each packed row for it after context and sequence parallelism have split it
@@ -23,16 +24,22 @@ __all__ = ["FP8_RECIPES", "check_fp8", "fp8_config"]
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
+# Delayed scaling's amax history: Transformer Engine's own ``DelayedScaling`` defaults (the largest amax of the last
+# 1,024 steps sets a tensor's scale); megatron-core's defaults (one step, its amax alone) let a single spike overflow.
+DELAYED_AMAX = {"fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"}
+
+
 def fp8_config(precision: str, recipe: str | None) -> dict:
     """The ``TransformerConfig`` fields for ``precision`` (empty unless fp8)."""
     if precision != "fp8":
         return {}
-    return {"fp8": "hybrid", "fp8_recipe": recipe or "tensorwise"}
+    recipe = recipe or "delayed"
+    return {"fp8": "hybrid", "fp8_recipe": recipe, **(DELAYED_AMAX if recipe == "delayed" else {})}
 
 
 def check_fp8(trainer: Mapping, device: str, backend: str) -> None:
     """Refuse, naming the key, an FP8 recipe this device, backend or Transformer Engine cannot run."""
-    recipe = trainer.get("fp8_recipe", "tensorwise")
+    recipe = trainer.get("fp8_recipe", "delayed")
     if recipe not in FP8_RECIPES:
         raise ValueError(f"trainer.fp8_recipe is {recipe!r}: it must be one of {list(FP8_RECIPES)}")
     if trainer.get("precision", "auto") != "fp8":
