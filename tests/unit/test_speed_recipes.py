@@ -46,6 +46,19 @@ def test_fp8_precision_gives_bf16_weights_and_te_fp8_in_the_transformer_config()
     cfg = recipe("trainer.precision=fp8", "trainer.fp8_recipe=delayed")
     config = transformer_config(cfg.model, cfg.parallel, Runtime("cuda", "fp8", "torch", "delayed"))
     assert (config.bf16, config.fp8, config.fp8_recipe) == (True, "hybrid", "delayed")
+    assert (config.fp8_amax_history_len, config.fp8_amax_compute_algo) == (1024, "max")
+
+
+def test_the_default_fp8_recipe_is_delayed_and_model_config_amax_keys_win():
+    cfg = recipe("trainer.precision=fp8", "++model.config.fp8_amax_history_len=16")
+    config = transformer_config(
+        cfg.model, cfg.parallel, Runtime("cuda", "fp8", "torch", cfg.trainer.fp8_recipe)
+    )
+    assert (config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo) == (
+        "delayed",
+        16,
+        "max",
+    )
 
 
 def test_an_fp8_models_config_rebuilt_on_cpu_has_no_fp8():
