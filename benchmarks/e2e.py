@@ -130,6 +130,8 @@ def measure(result: dict, warmup: int) -> dict:
         "pad_fraction": 1 - real / sum(r["all_tokens"] for r in steady),
         "tflops_per_gpu_real": float(np.mean([r["tflops"] for r in steady])),
         "peak_memory_gib": summary.get("peak_memory_gib"),
+        "peak_reserved_gib": summary.get("peak_reserved_gib"),
+        "alloc_retries": summary.get("alloc_retries"),
         "final_loss": summary.get("final_loss"),
         "packer_host_s_per_step": packer_per_step,
         "packer_share_of_step": packer_per_step / (time_s / len(steady)),

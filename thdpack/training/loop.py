@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import check_recipe
 from .deferred import DeferredScalars
 from .flops import FlopsModel
-from .metrics import MetricsWriter, summarize
+from .metrics import MetricsWriter, memory_summary, summarize
 from .profiling import profile
 from .recipe import resolve_recipe
 from .recipe_keys import recipes_dir
@@ -433,10 +433,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         **summarize(writer.records),
     }
     if run.runtime.device == "cuda":
-        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        summary.update(memory_summary())
     writer.close(summary)
     if run.logging_rank:
         log.info("summary: %s", {k: v for k, v in summary.items() if k != "data"})
+        if summary.get("alloc_retries"):
+            log.warning(
+                "the CUDA caching allocator ran out of cached blocks %d times and freed them to retry (each a "
+                "device synchronization): lower dataset.micro_batch_tokens, or set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                summary["alloc_retries"],
+            )
         log.info(
             "data: %d samples trained on, %d truncated, %d dropped (dataset.overlong=%s)",
             data.samples_seen,

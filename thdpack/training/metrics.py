@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricsWriter", "comparison_figure", "plot_comparison", "plot_curves", "summarize"]
+__all__ = [
+    "MetricsWriter",
+    "comparison_figure",
+    "memory_summary",
+    "plot_comparison",
+    "plot_curves",
+    "summarize",
+]
 
 log = logging.getLogger("thdpack")
 
@@ -142,6 +149,21 @@ def summarize(records: list[dict[str, Any]], skip_first: int = 1) -> dict[str, f
     if losses:
         out["final_loss"] = losses[-1]
     return out
+
+
+def memory_summary(stats: dict[str, Any] | None = None) -> dict[str, float]:
+    """A CUDA run's memory from the caching allocator's statistics (``torch.cuda.memory_stats()``): the peak held by
+    tensors, the peak reserved from the device, and how often an allocation found no cached block, freed the cache
+    (``cudaFree``: a device synchronization) and retried."""
+    if stats is None:
+        import torch
+
+        stats = torch.cuda.memory_stats()
+    return {
+        "peak_memory_gib": stats["allocated_bytes.all.peak"] / 2**30,
+        "peak_reserved_gib": stats["reserved_bytes.all.peak"] / 2**30,
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }
 
 
 def plot_curves(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
