@@ -115,15 +115,24 @@ def run_torchrun_fixture():
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """`trained(*overrides, nproc=1) -> Run`: `python -m thdpack.train` (tests/functional/training.py), run once
-    per session and configuration, so that tests of one configuration (and other modules) share the run."""
-    from .training import run_train
+    per session and configuration, so that tests of one configuration (and other modules) share the run.
+    `trained.start(*overrides, nproc=1)` starts it and returns at once (a fixture that has runs of its own to wait
+    for lets it go on beside them); `trained(...)` then waits for it."""
+    from .training import finish, start_train
 
-    runs = {}
+    runs, started = {}, {}
+
+    def start(*overrides: str, nproc: int = 1) -> None:
+        key = (overrides, nproc)
+        if key not in runs and key not in started:
+            started[key] = start_train(overrides, tmp_path_factory.mktemp("train") / "run", nproc=nproc)
 
     def get(*overrides: str, nproc: int = 1):
         key = (overrides, nproc)
         if key not in runs:
-            runs[key] = run_train(overrides, tmp_path_factory.mktemp("train") / "run", nproc=nproc)
+            start(*overrides, nproc=nproc)
+            runs[key] = finish(started.pop(key))
         return runs[key]
 
+    get.start = start
     return get
