@@ -117,22 +117,41 @@ def trained(tmp_path_factory):
     """`trained(*overrides, nproc=1) -> Run`: `python -m thdpack.train` (tests/functional/training.py), run once
     per session and configuration, so that tests of one configuration (and other modules) share the run.
     `trained.start(*overrides, nproc=1)` starts it and returns at once (a fixture that has runs of its own to wait
-    for lets it go on beside them); `trained(...)` then waits for it."""
+    for lets it go on beside them); `trained(...)` then waits for it. `trained.ahead((overrides, nproc), ...)`
+    queues runs that a module's tests will ask for, in that order: they start as runs finish, AHEAD under way at
+    most."""
     from .training import finish, start_train
 
-    runs, started = {}, {}
+    runs, started, queued = {}, {}, []
 
     def start(*overrides: str, nproc: int = 1) -> None:
-        key = (overrides, nproc)
+        key = (tuple(overrides), nproc)
         if key not in runs and key not in started:
             started[key] = start_train(overrides, tmp_path_factory.mktemp("train") / "run", nproc=nproc)
+
+    def top_up() -> None:
+        while queued and len(started) < AHEAD:
+            overrides, nproc = queued.pop(0)
+            start(*overrides, nproc=nproc)
+
+    def ahead(*keys: tuple[tuple[str, ...], int]) -> None:
+        queued.extend(k for k in keys if k not in runs and k not in started and k not in queued)
+        top_up()
 
     def get(*overrides: str, nproc: int = 1):
         key = (overrides, nproc)
         if key not in runs:
             start(*overrides, nproc=nproc)
+            if key in queued:
+                queued.remove(key)
             runs[key] = finish(started.pop(key))
+            top_up()
         return runs[key]
 
-    get.start = start
+    get.start, get.ahead = start, ahead
     return get
+
+
+AHEAD = (
+    2  # runs under way at once from trained.ahead: two one-rank runs fill two cores, two-rank runs overlap
+)
