@@ -39,6 +39,7 @@ def run_torchrun(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     tail_lines: int = 80,
+    check: bool = True,
 ) -> str:
     """Run `python -m torch.distributed.run --nproc_per_node=nproc script *args` on one node.
 
@@ -46,8 +47,9 @@ def run_torchrun(
     env: extra environment variables; OMP_NUM_THREADS=1 and PYTHONUNBUFFERED=1 are set by default
         (CI machines have few cores, and ranks that each spawn a full thread pool crawl).
     Returns the combined stdout and stderr of all ranks. Fails the test, showing the last
-    `tail_lines` lines, if the exit code is not 0 or the run takes longer than `timeout` seconds
-    (then the whole process group, workers included, is killed).
+    `tail_lines` lines, if the exit code is not 0 (unless `check` is false: a script that runs several
+    cases, each test then looks for its own) or the run takes longer than `timeout` seconds (then the
+    whole process group, workers included, is killed).
     """
     path = Path(script)
     if not path.is_absolute() and not path.exists():
@@ -80,7 +82,7 @@ def run_torchrun(
         pytest.fail(
             f"{path.name} {' '.join(map(str, args))} timed out after {timeout}s\n{_tail(output, tail_lines)}"
         )
-    if process.returncode != 0:
+    if check and process.returncode != 0:
         pytest.fail(
             f"{path.name} {' '.join(map(str, args))} exited with {process.returncode}\n{_tail(output, tail_lines)}"
         )
@@ -113,15 +115,43 @@ def run_torchrun_fixture():
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """`trained(*overrides, nproc=1) -> Run`: `python -m thdpack.train` (tests/functional/training.py), run once
-    per session and configuration, so that tests of one configuration (and other modules) share the run."""
-    from .training import run_train
+    per session and configuration, so that tests of one configuration (and other modules) share the run.
+    `trained.start(*overrides, nproc=1)` starts it and returns at once (a fixture that has runs of its own to wait
+    for lets it go on beside them); `trained(...)` then waits for it. `trained.ahead((overrides, nproc), ...)`
+    queues runs that a module's tests will ask for, in that order: they start as runs finish, AHEAD under way at
+    most."""
+    from .training import finish, start_train
 
-    runs = {}
+    runs, started, queued = {}, {}, []
+
+    def start(*overrides: str, nproc: int = 1) -> None:
+        key = (tuple(overrides), nproc)
+        if key not in runs and key not in started:
+            started[key] = start_train(overrides, tmp_path_factory.mktemp("train") / "run", nproc=nproc)
+
+    def top_up() -> None:
+        while queued and len(started) < AHEAD:
+            overrides, nproc = queued.pop(0)
+            start(*overrides, nproc=nproc)
+
+    def ahead(*keys: tuple[tuple[str, ...], int]) -> None:
+        queued.extend(k for k in keys if k not in runs and k not in started and k not in queued)
+        top_up()
 
     def get(*overrides: str, nproc: int = 1):
         key = (overrides, nproc)
         if key not in runs:
-            runs[key] = run_train(overrides, tmp_path_factory.mktemp("train") / "run", nproc=nproc)
+            start(*overrides, nproc=nproc)
+            if key in queued:
+                queued.remove(key)
+            runs[key] = finish(started.pop(key))
+            top_up()
         return runs[key]
 
+    get.start, get.ahead = start, ahead
     return get
+
+
+AHEAD = (
+    2  # runs under way at once from trained.ahead: two one-rank runs fill two cores, two-rank runs overlap
+)

@@ -1,7 +1,10 @@
 """Megatron-core on CPU over gloo (thdpack.megatron.cpu): two ranks under each parallel layout give
-the single-rank loss. What each case checks is in scripts/cpu_parallel_smoke.py."""
+the single-rank loss. What each case checks is in scripts/cpu_parallel_smoke.py; one launch runs every layout,
+one after another, and each test looks for its own layout's lines."""
 
 import pytest
+
+from .conftest import run_torchrun
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
@@ -14,7 +17,17 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def output():
+    return run_torchrun(
+        "cpu_parallel_smoke.py", nproc=2, args=["--layout", *LAYOUTS], timeout=300, check=False
+    )
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_parallel_loss_matches_single_rank(run_torchrun, layout):
-    out = run_torchrun("cpu_parallel_smoke.py", nproc=2, args=["--layout", layout], timeout=120)
-    assert f"[{layout}] rank" in out
+def test_parallel_loss_matches_single_rank(output, layout):
+    tail = "\n".join(output.splitlines()[-60:])
+    assert f"[{layout}] rank" in output, tail
+    assert f"[{layout}] rank 0: checks passed" in output and f"[{layout}] rank 1: checks passed" in output, (
+        tail
+    )

@@ -4,12 +4,14 @@ log and the truncations on the console; a model directory's tokenizer and chat t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from .training import run_train
+from .training import Run, finish, start_train
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
@@ -32,22 +34,19 @@ def cache(tmp_path):
     return {"THDPACK_CACHE": str(tmp_path / "cache")}
 
 
-def test_bad_jsonl_lines_stop_the_start_naming_each_line(tmp_path):
-    path = jsonl(tmp_path, [{"text": "fine"}] * 3 + ["{broken\n", {"prompt": "p"}, {"text": "fine"}])
-    result = run_train(
-        [*SHORT, "dataset=jsonl", f"dataset.path={path}"], tmp_path / "run", env=cache(tmp_path)
-    )
-    assert result.returncode != 0
-    assert f"{path}: 2 bad line(s) of 6" in result.output
-    assert (
-        f"{path}:4: malformed JSON" in result.output and f"{path}:5: 'response' is missing" in result.output
-    )
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, Run]]:
+    """``name -> (data file or tokenizer, run)`` of the module's three runs, started together (independent
+    one-process runs; one alone leaves a core of two idle)."""
+    started = {}
+    root = tmp_path_factory.mktemp("bad_lines")
+    path = jsonl(root, [{"text": "fine"}] * 3 + ["{broken\n", {"prompt": "p"}, {"text": "fine"}])
+    overrides = [*SHORT, "dataset=jsonl", f"dataset.path={path}"]
+    started["bad_lines"] = path, start_train(overrides, root / "run", env=cache(root))
 
-
-def test_overlong_samples_are_counted_at_start_up_and_truncations_on_the_console(tmp_path):
+    root = tmp_path_factory.mktemp("overlong")
     rows = [{"prompt": "q" * 10, "response": "a" * (300 if i % 4 == 0 else 20)} for i in range(16)]
-    path = jsonl(tmp_path, rows)
+    path = jsonl(root, rows)
     overrides = [
         *SHORT,
         "dataset=jsonl",
@@ -55,7 +54,32 @@ def test_overlong_samples_are_counted_at_start_up_and_truncations_on_the_console
         "dataset.seq_length=64",
         "dataset.shuffle=false",
     ]
-    result = run_train(overrides, tmp_path / "run", env=cache(tmp_path)).check()
+    started["overlong"] = path, start_train(overrides, root / "run", env=cache(root))
+
+    if importlib.util.find_spec("transformers") is not None:  # else its test skips
+        from tests.hf_tokenizers import write_tokenizer
+
+        root = tmp_path_factory.mktemp("sft")
+        info = write_tokenizer(root / "qwen", "qwen2_5")
+        overrides = [*SHORT, "dataset=embedded_sft", "dataset.max_files=3", f"dataset.tokenizer={info.path}"]
+        env = {**cache(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        started["sft"] = info.path, start_train(overrides, root / "run", env=env)
+    return {name: (path, finish(run)) for name, (path, run) in started.items()}
+
+
+def test_bad_jsonl_lines_stop_the_start_naming_each_line(runs):
+    path, result = runs["bad_lines"]
+    assert result.returncode != 0
+    assert f"{path}: 2 bad line(s) of 6" in result.output
+    assert (
+        f"{path}:4: malformed JSON" in result.output and f"{path}:5: 'response' is missing" in result.output
+    )
+    assert not (result.run_dir / "metrics.jsonl").exists()
+
+
+def test_overlong_samples_are_counted_at_start_up_and_truncations_on_the_console(runs):
+    _, result = runs["overlong"]
+    result.check()
     assert "every line parsed, checked and tokenized" in result.output
     assert (
         "data: 4 of 16 samples (25.0%) are longer than seq_length (64): dataset.overlong=truncate, they are "
@@ -67,13 +91,9 @@ def test_overlong_samples_are_counted_at_start_up_and_truncations_on_the_console
     assert [r["samples_truncated"] for r in result.records] == [1, 2]
 
 
-def test_embedded_sft_trains_through_a_model_directorys_chat_template(tmp_path):
+def test_embedded_sft_trains_through_a_model_directorys_chat_template(runs):
     pytest.importorskip("transformers")
-    from tests.hf_tokenizers import write_tokenizer
-
-    info = write_tokenizer(tmp_path / "qwen", "qwen2_5")
-    overrides = [*SHORT, "dataset=embedded_sft", "dataset.max_files=3", f"dataset.tokenizer={info.path}"]
-    env = {**cache(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    result = run_train(overrides, tmp_path / "run", env=env).check()
+    _, result = runs["sft"]
+    result.check()
     assert result.steps == [1, 2] and all(math.isfinite(loss) for loss in result.losses)
     assert "data: embedded_sft" in result.output

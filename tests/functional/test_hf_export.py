@@ -6,7 +6,6 @@ checkpoint holds, bit for bit, and transformers computes with it what thdpack co
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -14,43 +13,55 @@ import torch
 
 from tests.hf_models import hf_logits_per_sample, hf_model, padded_batch, save_model
 
-from .training import REPO_ROOT, environment, run_train, tail
+from .training import finish, start, start_train, tail
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
 
-@pytest.fixture(scope="module", params=["tp2", "ep2"])
-def exported(request, tmp_path_factory):
-    """``(source HF dir, checkpoint dir, exported HF dir)`` of one training run and one export."""
-    root = tmp_path_factory.mktemp(f"hf_e2e_{request.param}")
-    source = save_model("qwen3_moe", root / "source")
-    run_train(
-        [
+LAYOUTS = ["tp2", "ep2"]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, tuple]:
+    """``layout -> (source HF dir, root, run, export)`` of one training run a layout (its checkpoint in
+    ``root / "ckpt"``) and one export (to ``root / "out"``; None after a failed run). The runs start together,
+    then the exports: independent processes."""
+    roots, sources, started = {}, {}, {}
+    for layout in LAYOUTS:
+        roots[layout] = root = tmp_path_factory.mktemp(f"hf_e2e_{layout}")
+        sources[layout] = source = save_model("qwen3_moe", root / "source")
+        command = [
             "model=hf",
             f"model.pretrained={source}",
             f"dataset.tokenizer={source / 'tokenizer.json'}",
-            f"parallel={request.param}",
+            f"parallel={layout}",
             "trainer.train_iters=2",
             "trainer.lr_warmup_iters=0",
             f"checkpoint.dir={root / 'ckpt'}",
-        ],
-        root / "run",
-        nproc=2,
-    ).check()
-    out = root / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "thdpack.export", str(root / "ckpt"), str(out)],
-        cwd=REPO_ROOT,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    if done.returncode:
-        pytest.fail(
-            f"python -m thdpack.export exited with {done.returncode}\n{tail(done.stdout + done.stderr)}"
+        ]
+        started[layout] = start_train(command, root / "run", nproc=2)
+    runs = {layout: finish(run) for layout, run in started.items()}
+    exporting = {
+        layout: start(
+            [sys.executable, "-m", "thdpack.export", str(roots[layout] / "ckpt"), str(roots[layout] / "out")],
+            roots[layout] / "out",
         )
-    return source, root / "ckpt", out
+        for layout, run in runs.items()
+        if run.returncode == 0
+    }
+    done = {layout: finish(export) for layout, export in exporting.items()}
+    return {layout: (sources[layout], roots[layout], runs[layout], done.get(layout)) for layout in LAYOUTS}
+
+
+@pytest.fixture(params=LAYOUTS)
+def exported(request, exports):
+    """``(source HF dir, checkpoint dir, exported HF dir)`` of the layout's run; fails the test if it or its
+    export failed."""
+    source, root, run, export = exports[request.param]
+    run.check()
+    if export.returncode:
+        pytest.fail(f"python -m thdpack.export exited with {export.returncode}\n{tail(export.output)}")
+    return source, root / "ckpt", root / "out"
 
 
 def test_the_export_is_a_directory_transformers_loads_with_its_tokenizer(exported):

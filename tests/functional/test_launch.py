@@ -22,15 +22,16 @@ from thdpack.megatron.checkpoint import latest_iteration
 from thdpack.training.stopping import MARKER
 
 from .conftest import SCRIPTS_DIR, free_port
-from .training import FAST, REPO_ROOT, Run, finish, run_train, start, wait_for_step
+from .training import FAST, REPO_ROOT, Run, Started, finish, start, start_train, wait_for_step
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
 TWO_STEPS = [*FAST, "trainer.train_iters=2", "trainer.lr_warmup_iters=1"]
+LONGER = ["trainer.train_iters=8", "trainer.lr_warmup_iters=1"]  # the signal comes after step 2 of 8
 
 
-def launch(argv, cwd: Path, run_dir: Path, env: dict[str, str]) -> Run:
-    return finish(start(["bash", *map(str, argv)], run_dir, env={"PYTHON": sys.executable, **env}, cwd=cwd))
+def launch(argv, cwd: Path, run_dir: Path, env: dict[str, str]) -> Started:
+    return start(["bash", *map(str, argv)], run_dir, env={"PYTHON": sys.executable, **env}, cwd=cwd)
 
 
 def rank_logs(logs: Path) -> list[Path]:
@@ -52,10 +53,34 @@ def slurm_env(job_id: str, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def slurm_job(tmp_path_factory):
+def launched(tmp_path_factory, trained) -> dict[str, Started]:
+    """The module's jobs that nothing interrupts, started together (independent runs), and the uninterrupted run
+    of the requeued job's recipe: ``name -> started job``."""
+    started = {}
     cwd = tmp_path_factory.mktemp("slurm")
-    env = slurm_env("4242")
-    return launch([REPO_ROOT / "launch/slurm.sbatch", *TWO_STEPS], cwd, cwd / "outputs/slurm-4242", env)
+    started["slurm"] = launch(
+        [REPO_ROOT / "launch/slurm.sbatch", *TWO_STEPS], cwd, cwd / "outputs/slurm-4242", slurm_env("4242")
+    )
+    cwd = tmp_path_factory.mktemp("torchrun")
+    env = {"THDPACK_RUN_STAMP": "l1-stamp"}
+    started["torchrun"] = launch(
+        [REPO_ROOT / "launch/torchrun.sh", 2, *TWO_STEPS], cwd, cwd / "outputs/l1-stamp", env
+    )
+    cwd = tmp_path_factory.mktemp("torchrun_bad")
+    env = {"THDPACK_RUN_STAMP": "bad", "CUDA_VISIBLE_DEVICES": ""}
+    argv = [REPO_ROOT / "launch/torchrun.sh", *TWO_STEPS, "trainer.on_nonfinite=ignore"]
+    started["torchrun_bad"] = launch(argv, cwd, cwd / "outputs/bad", env)
+    root = tmp_path_factory.mktemp("exit_duration")
+    # 1e-6 minutes: passed once the first step ends (start-up alone takes seconds)
+    overrides = ["trainer.exit_duration_mins=1e-6", f"checkpoint.dir={root / 'ckpt'}", *LONGER]
+    started["exit_duration"] = start_train(overrides, root / "run")
+    trained.start(*LONGER, nproc=2)
+    return started
+
+
+@pytest.fixture(scope="module")
+def slurm_job(launched):
+    return finish(launched["slurm"])
 
 
 def test_slurm_script_trains_over_two_nodes(slurm_job):
@@ -72,10 +97,8 @@ def test_slurm_script_writes_a_log_per_rank(slurm_job):
 
 
 @pytest.fixture(scope="module")
-def torchrun_job(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("torchrun")
-    env = {"THDPACK_RUN_STAMP": "l1-stamp"}
-    return launch([REPO_ROOT / "launch/torchrun.sh", 2, *TWO_STEPS], cwd, cwd / "outputs/l1-stamp", env)
+def torchrun_job(launched):
+    return finish(launched["torchrun"])
 
 
 def test_torchrun_script_trains_on_one_node(torchrun_job):
@@ -91,11 +114,8 @@ def test_torchrun_script_writes_a_log_per_rank(torchrun_job):
 
 
 @pytest.fixture(scope="module")
-def torchrun_bad_recipe(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("torchrun_bad")
-    env = {"THDPACK_RUN_STAMP": "bad", "CUDA_VISIBLE_DEVICES": ""}
-    argv = [REPO_ROOT / "launch/torchrun.sh", *TWO_STEPS, "trainer.on_nonfinite=ignore"]
-    return launch(argv, cwd, cwd / "outputs/bad", env)
+def torchrun_bad_recipe(launched):
+    return finish(launched["torchrun_bad"])
 
 
 def test_torchrun_script_starts_one_process_without_a_gpu(torchrun_bad_recipe):
@@ -108,8 +128,6 @@ def test_torchrun_script_exits_with_torchruns_code(torchrun_bad_recipe):
 
 
 # --- time limits: signal -> save -> exit -> requeue -> resume ------------------------------------------------------
-
-LONGER = ["trainer.train_iters=8", "trainer.lr_warmup_iters=1"]  # the signal comes after step 2 of 8
 
 
 @dataclass
@@ -176,11 +194,9 @@ def test_a_job_that_finishes_neither_requeues_nor_leaves_a_marker(requeued_job):
 
 
 @pytest.fixture(scope="module")
-def out_of_time(tmp_path_factory):
-    root = tmp_path_factory.mktemp("exit_duration")
-    # 1e-6 minutes: passed once the first step ends (start-up alone takes seconds)
-    overrides = ["trainer.exit_duration_mins=1e-6", f"checkpoint.dir={root / 'ckpt'}", *LONGER]
-    return run_train(overrides, root / "run"), root / "ckpt"
+def out_of_time(launched):
+    run = finish(launched["exit_duration"])
+    return run, run.run_dir.parent / "ckpt"
 
 
 def test_exit_duration_mins_stops_after_the_step_with_a_checkpoint(out_of_time):

@@ -5,12 +5,11 @@ weights up, so that step 2's gradients are not finite."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
+from .training import Run, finish, start
 
 pytestmark = pytest.mark.functional
 
@@ -27,25 +26,27 @@ BLOW_UP = [
 ]
 
 
-def _train(tmp_path, *overrides):
-    return subprocess.run(
-        [sys.executable, "-m", "thdpack.train", *BLOW_UP, f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run]:
+    """``on_nonfinite -> run`` of BLOW_UP with the default (error) and with skip, started together (independent
+    one-process runs; one alone leaves a core of two idle)."""
+    started = {}
+    for name, overrides in (("error", ()), ("skip", ("trainer.on_nonfinite=skip",))):
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        argv = [sys.executable, "-m", "thdpack.train", *BLOW_UP, f"hydra.run.dir={run_dir}", *overrides]
+        started[name] = start(argv, run_dir)
+    return {name: finish(run, timeout=300) for name, run in started.items()}
 
 
-def test_nonfinite_gradient_stops_the_run_naming_the_step(tmp_path):
-    result = _train(tmp_path)
+def test_nonfinite_gradient_stops_the_run_naming_the_step(runs):
+    result = runs["error"]
     assert result.returncode != 0
-    assert "FloatingPointError: step 2: the gradient norm is nan" in result.stderr + result.stdout
+    assert "FloatingPointError: step 2: the gradient norm is nan" in result.output
 
 
-def test_nonfinite_updates_are_skipped_and_counted_with_on_nonfinite_skip(tmp_path):
-    result = _train(tmp_path, "trainer.on_nonfinite=skip")
-    assert result.returncode == 0, result.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def test_nonfinite_updates_are_skipped_and_counted_with_on_nonfinite_skip(runs):
+    result = runs["skip"]
+    assert result.returncode == 0, result.output[-2000:]
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, True, True, True]
-    assert json.loads((tmp_path / "summary.json").read_text())["skipped_updates"] == 3
+    assert json.loads((result.run_dir / "summary.json").read_text())["skipped_updates"] == 3

@@ -17,7 +17,18 @@ import pytest
 
 from thdpack.megatron.checkpoint import KILL_BEFORE_RENAME, latest_iteration
 
-from .training import FAMILIES, ITERS, Run, family, finish, kill_group, run_train, start_train, wait_for_step
+from .training import (
+    FAMILIES,
+    ITERS,
+    Run,
+    Started,
+    family,
+    finish,
+    kill_group,
+    run_train,
+    start_train,
+    wait_for_step,
+)
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
@@ -39,9 +50,10 @@ class Interrupted:
 
 
 def interrupted(trained, tmp_path_factory, name, extra, stop=None, env=None) -> Interrupted:
-    """Run family ``name`` with a checkpoint directory and ``extra`` overrides; ``stop(started)`` (if given)
-    ends it early; record the tracker; run the same command again."""
+    """Run family ``name`` with a checkpoint directory and ``extra`` overrides (the uninterrupted run started beside
+    it, unless done); ``stop(started)`` (if given) ends it early; record the tracker; run the same command again."""
     overrides, nproc = family(name)
+    trained.start(*overrides, nproc=nproc)
     root = tmp_path_factory.mktemp(name)
     ckpt = root / "ckpt"
     command = [*overrides, f"checkpoint.dir={ckpt}", *extra]
@@ -161,41 +173,61 @@ LAYOUT_CHANGES = {  # name: (saved family, resumed family, resumed ranks)
 }
 
 
+STOPPED = [("dense",), ("dense_pp2",), ("dense", "checkpoint.optimizer_format=dp_reshardable")]
+
+
 @pytest.fixture(scope="module")
 def stopped_at_3(tmp_path_factory):
-    """``get(family, *extra) -> checkpoint directory`` of the family's run stopped after step 3, run once."""
+    """``get(family, *extra) -> checkpoint directory`` of the family's run stopped after step 3, run once; the
+    first call starts every run of STOPPED together (independent runs)."""
     runs = {}
 
+    def start(name: str, *extra: str):
+        overrides, nproc = family(name)
+        root = tmp_path_factory.mktemp(f"{name}_stopped")
+        command = [*overrides, f"checkpoint.dir={root / 'ckpt'}", "trainer.exit_interval=3", *extra]
+        return start_train(command, root / "run", nproc), root / "ckpt"
+
     def get(name: str, *extra: str) -> Path:
+        if not runs:
+            started = {key: start(*key) for key in {*STOPPED, (name, *extra)}}
+            for (name_, *extra_), (run, ckpt) in started.items():
+                runs[name_, tuple(extra_)] = finish(run), ckpt
         if (name, extra) not in runs:
-            overrides, nproc = family(name)
-            root = tmp_path_factory.mktemp(f"{name}_stopped")
-            command = [*overrides, f"checkpoint.dir={root / 'ckpt'}", "trainer.exit_interval=3", *extra]
-            run_train(command, root / "run", nproc).check()
-            runs[name, extra] = root / "ckpt"
-        return runs[name, extra]
+            run, ckpt = start(name, *extra)
+            runs[name, extra] = finish(run), ckpt
+        run, ckpt = runs[name, extra]
+        run.check()
+        return ckpt
 
     return get
 
 
-def resume_on(saved_ckpt: Path, name: str, nproc: int, root: Path, *extra: str) -> Run:
-    """Run family ``name`` on ``nproc`` ranks from a copy of ``saved_ckpt`` (the original stays at step 3)."""
+def resume_on(saved_ckpt: Path, name: str, nproc: int, root: Path, *extra: str) -> Started:
+    """Start family ``name`` on ``nproc`` ranks from a copy of ``saved_ckpt`` (the original stays at step 3)."""
     ckpt = root / "ckpt"
     shutil.copytree(saved_ckpt, ckpt)
     overrides = [*FAMILIES[name][0], f"trainer.train_iters={ITERS}", "dataset.pack_sequences_in_batch=true"]
-    return run_train([*overrides, f"checkpoint.dir={ckpt}", *extra], root / "run", nproc)
+    return start_train([*overrides, f"checkpoint.dir={ckpt}", *extra], root / "run", nproc)
 
 
 @pytest.fixture(scope="module")
 def relaid(stopped_at_3, trained, tmp_path_factory):
-    """``get(change) -> (resumed run, uninterrupted run on the saved layout)`` for a LAYOUT_CHANGES entry, run once."""
+    """``get(change) -> (resumed run, uninterrupted run on the saved layout)`` for a LAYOUT_CHANGES entry, run once;
+    the first call runs every change (and the uninterrupted runs not done yet) together (independent runs)."""
     runs = {}
 
     def get(change: str) -> tuple[Run, Run]:
-        if change not in runs:
-            saved, resumed, nproc = LAYOUT_CHANGES[change]
-            run = resume_on(stopped_at_3(saved), resumed, nproc, tmp_path_factory.mktemp(change))
-            runs[change] = run, trained(*family(saved)[0], nproc=family(saved)[1]).check()
+        if not runs:
+            for saved, _, _ in LAYOUT_CHANGES.values():
+                trained.start(*family(saved)[0], nproc=family(saved)[1])
+            started = {
+                name: resume_on(stopped_at_3(saved), resumed, nproc, tmp_path_factory.mktemp(name))
+                for name, (saved, resumed, nproc) in LAYOUT_CHANGES.items()
+            }
+            for name, run in started.items():
+                saved = LAYOUT_CHANGES[name][0]
+                runs[name] = finish(run), trained(*family(saved)[0], nproc=family(saved)[1]).check()
         return runs[change]
 
     return get
@@ -230,7 +262,7 @@ def test_a_tp_change_keeps_the_checkpoints_padded_vocabulary(relaid):
 
 def test_dp_reshardable_is_refused_on_another_tp_naming_both_layouts(stopped_at_3, tmp_path):
     saved = stopped_at_3("dense", "checkpoint.optimizer_format=dp_reshardable")
-    refused = resume_on(saved, "dense_tp2", 2, tmp_path)
+    refused = finish(resume_on(saved, "dense_tp2", 2, tmp_path))
     assert refused.returncode != 0
     assert refused.steps == []
     assert (

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from .training import FAMILIES, ITERS, family, run_train
+from .training import FAMILIES, ITERS, family
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
@@ -21,6 +21,15 @@ AGREE = dict(rel=1e-6, abs=0)
 LOGGED = {"loss", "grad_norm", "lr", "pad_fraction", "real_tokens_per_s", "step_time_s"}
 PADDED = [name for name in FAMILIES if name != "mrope_cp2"]  # the padded baseline is not sharded for CP
 RUNS = [(name, True) for name in FAMILIES] + [(name, False) for name in PADDED]
+BAD_RECIPE = ("trainer.train_iters=6", "trainer.lr_warmup_iters=6")
+MISSPELT = ("+trainer.train_itres=5",)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs_ahead(trained):
+    """Every run of the module, queued in the order its tests ask for them, so that the next one runs beside."""
+    in_order = [family(name, packed) for name, packed in RUNS] + [family("mrope_cp2", packed=False)]
+    trained.ahead(*in_order, (BAD_RECIPE, 1), (MISSPELT, 1))
 
 
 def run(trained, name, packed=True):
@@ -82,20 +91,20 @@ def test_a_run_writes_metrics_summary_curves_and_tensorboard(trained):
     assert events and all(e.stat().st_size > 0 for e in events)
 
 
-def test_a_bad_recipe_fails_fast_with_the_checks_message(tmp_path):
-    result = run_train(["trainer.train_iters=6", "trainer.lr_warmup_iters=6"], tmp_path / "run")
+def test_a_bad_recipe_fails_fast_with_the_checks_message(trained):
+    result = trained(*BAD_RECIPE)
     assert result.returncode != 0
     assert (
         "trainer.lr_warmup_iters (6) must be below the decay iterations (6: trainer.lr_decay_iters"
         in result.output
     )
     assert "data: " not in result.output
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (result.run_dir / "metrics.jsonl").exists()
 
 
-def test_a_misspelt_key_stops_the_run_naming_the_closest_key(tmp_path):
+def test_a_misspelt_key_stops_the_run_naming_the_closest_key(trained):
     # Hydra refuses trainer.train_itres=5 and suggests the +: the run would then train the default 20 iterations
-    result = run_train(["+trainer.train_itres=5"], tmp_path / "run")
+    result = trained(*MISSPELT)
     assert result.returncode != 0
     assert "trainer.train_itres is not a recipe key: did you mean trainer.train_iters?" in result.output
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (result.run_dir / "metrics.jsonl").exists()

@@ -8,7 +8,6 @@ Qwen3-VL run under TP2 and a Qwen3-VL-MoE run under EP2 export what the one-rank
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from tests.vlm_models import build_tiny_vl, released_orientation
 
-from .training import REPO_ROOT, environment, run_train, tail
+from .training import finish, start, start_train, tail
 
 pytestmark = [
     pytest.mark.functional,
@@ -37,39 +36,58 @@ VL = (
 )
 
 
-def train_and_export(source, root, *overrides, nproc: int = 1):
-    """``(checkpoint dir, exported dir)`` of a two-step run on ``source`` and its export."""
-    run_train(
-        ["model=hf", f"model.pretrained={source}", *VL, f"checkpoint.dir={root / 'ckpt'}", *overrides],
-        root / "run",
-        nproc=nproc,
-        timeout=300,
-    ).check()
-    out = root / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "thdpack.export", str(root / "ckpt"), str(out)],
-        cwd=REPO_ROOT,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    if done.returncode:
-        pytest.fail(
-            f"python -m thdpack.export exited with {done.returncode}\n{tail(done.stdout + done.stderr)}"
+NAMES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_released"]
+# the runs besides one rank's: a layout of one family each (TP2: DeepStack, q/k norms; EP2: the MoE family)
+PARALLEL = {
+    "qwen3_vl tp2": ("qwen3_vl", "parallel=tp2"),
+    "qwen3_vl_moe ep2": ("qwen3_vl_moe", "parallel=ep2"),
+}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, tuple]:
+    """``key -> (source dir, root, run, export)`` of every two-step run of the module (its checkpoint in
+    ``root / "ckpt"``) and its export (to ``root / "out"``; None after a failed run): one rank on each of NAMES (``qwen3_vl_moe_released``: the source's fused experts in the
+    released checkpoints' orientation, ``[E, H, 2I]``, ``[E, I, H]``) and the PARALLEL runs. The runs start
+    together, then the exports together: independent processes, and one process alone leaves a core of two idle."""
+    sources, roots, started = {}, {}, {}
+    for name in NAMES:
+        roots[name] = tmp_path_factory.mktemp(name)
+        sources[name] = build_tiny_vl(roots[name] / "source", family=name.removesuffix("_released"))
+        if name.endswith("_released"):
+            sources[name] = released_orientation(sources[name], roots[name] / "released")
+    for key, (name, _) in PARALLEL.items():
+        roots[key], sources[key] = tmp_path_factory.mktemp(key.replace(" ", "_")), sources[name]
+    for key, root in roots.items():
+        layout = PARALLEL[key][1:] if key in PARALLEL else ()
+        command = [
+            "model=hf",
+            f"model.pretrained={sources[key]}",
+            *VL,
+            f"checkpoint.dir={root / 'ckpt'}",
+            *layout,
+        ]
+        started[key] = start_train(command, root / "run", nproc=2 if layout else 1)
+    trained = {key: finish(run, timeout=300) for key, run in started.items()}
+    exporting = {
+        key: start(
+            [sys.executable, "-m", "thdpack.export", str(roots[key] / "ckpt"), str(roots[key] / "out")],
+            roots[key] / "out",
         )
-    return root / "ckpt", out
+        for key, run in trained.items()
+        if run.returncode == 0
+    }
+    done = {key: finish(export) for key, export in exporting.items()}
+    return {key: (sources[key], roots[key], trained[key], done.get(key)) for key in roots}
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_released"])
-def exported(request, tmp_path_factory):
-    """``(source dir, checkpoint dir, exported dir)``; ``qwen3_vl_moe_released``: the source's fused experts in the
-    released checkpoints' orientation (``[E, H, 2I]``, ``[E, I, H]``)."""
-    root = tmp_path_factory.mktemp(request.param)
-    source = build_tiny_vl(root / "source", family=request.param.removesuffix("_released"))
-    if request.param.endswith("_released"):
-        source = released_orientation(source, root / "released")
-    return (source, *train_and_export(source, root))
+def exported(exports, key: str):
+    """``(source dir, checkpoint dir, exported dir)`` of ``key``'s run; fails the test if it or its export failed."""
+    source, root, run, export = exports[key]
+    run.check()
+    if export.returncode:
+        pytest.fail(f"python -m thdpack.export exited with {export.returncode}\n{tail(export.output)}")
+    return source, root / "ckpt", root / "out"
 
 
 def model_type(directory) -> str:
@@ -85,12 +103,13 @@ def tensors(directory) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("name", NAMES)
 def test_transformers_loads_the_export_under_the_sources_names_with_trained_text_and_the_frozen_tower(
-    exported,
+    exports, name
 ):
     from transformers import AutoModelForImageTextToText
 
-    source, _, out = exported
+    source, _, out = exported(exports, name)
     _, info = AutoModelForImageTextToText.from_pretrained(str(out), output_loading_info=True)
     assert not any(info.values()), info
     before, after = tensors(source), tensors(out)
@@ -162,19 +181,17 @@ def logit_difference(source, ckpt, out) -> tuple[float, float, float]:
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
-    difference, loss, reference = logit_difference(*exported)
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exports, name):
+    difference, loss, reference = logit_difference(*exported(exports, name))
     print(f"max |logit difference| {difference:.3g}; loss thdpack {loss:.8f} transformers {reference:.8f}")
     assert difference <= 1e-4
     assert loss == pytest.approx(reference, abs=1e-4)
 
 
-@pytest.mark.parametrize(
-    "exported", ["qwen3_vl"], indirect=True
-)  # the layout: one family (DeepStack, q/k norms)
-def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
-    source, _, out = exported
-    _, tp2 = train_and_export(source, tmp_path, "parallel=tp2", nproc=2)
+def test_a_tp2_run_exports_what_the_one_rank_run_exports(exports):
+    source, _, out = exported(exports, "qwen3_vl")
+    _, _, tp2 = exported(exports, "qwen3_vl tp2")
     one, two, before = tensors(out), tensors(tp2), tensors(source)
     assert sorted(two) == sorted(one)
     assert {n: t.dtype for n, t in two.items()} == {n: t.dtype for n, t in one.items()}
@@ -190,14 +207,13 @@ def test_a_tp2_run_exports_what_the_one_rank_run_exports(exported, tmp_path):
 
 
 @pytest.mark.usefixtures("one_rank")
-@pytest.mark.parametrize("exported", ["qwen3_vl_moe"], indirect=True)  # expert parallelism: the MoE family
-def test_an_ep2_run_exports_what_the_one_rank_run_exports_and_its_logits_equal_thdpacks(exported, tmp_path):
+def test_an_ep2_run_exports_what_the_one_rank_run_exports_and_its_logits_equal_thdpacks(exports):
     """Half the experts on each of two ranks: the export puts every expert back in its place in the fused tensors
     (a misplaced expert would differ by the training's whole movement, not by rounding)."""
     from transformers import AutoModelForImageTextToText
 
-    source, _, out = exported
-    ckpt, ep2 = train_and_export(source, tmp_path, "parallel=ep2", nproc=2)
+    source, _, out = exported(exports, "qwen3_vl_moe")
+    _, ckpt, ep2 = exported(exports, "qwen3_vl_moe ep2")
     _, info = AutoModelForImageTextToText.from_pretrained(str(ep2), output_loading_info=True)
     assert not any(info.values()), info
     one, two, before = tensors(out), tensors(ep2), tensors(source)

@@ -11,6 +11,8 @@ import pytest
 
 from tests.vlm_models import build_tiny_vl
 
+from .conftest import run_torchrun
+
 pytestmark = pytest.mark.functional
 
 CASES = [
@@ -22,26 +24,25 @@ CASES = [
 @pytest.fixture(scope="module")
 def directories(tmp_path_factory):
     """``family -> a tiny directory``, each built once for the module."""
-    built = {}
+    return {family: build_tiny_vl(tmp_path_factory.mktemp("vl"), family=family) for family in dict(CASES)}
 
-    def directory(family):
-        if family not in built:
-            built[family] = build_tiny_vl(tmp_path_factory.mktemp("vl"), family=family)
-        return built[family]
 
-    return directory
+@pytest.fixture(scope="module")
+def output(directories):
+    """The output of one launch that runs every case, one after another."""
+    args = []
+    for family, directory in directories.items():
+        layouts = [layout for f, layout in CASES if f == family]
+        args += ["+", "--layout", *layouts, "--directory", str(directory)]
+    return run_torchrun("vlm_parity.py", nproc=2, args=args[1:], timeout=600, check=False)
 
 
 @pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{layout}" for f, layout in CASES])
-def test_vlm_logits_and_loss_equal_transformers(run_torchrun, directories, family, layout):
-    out = run_torchrun(
-        "vlm_parity.py",
-        nproc=2,
-        args=["--layout", layout, "--directory", str(directories(family))],
-        timeout=400,
+def test_vlm_logits_and_loss_equal_transformers(output, directories, family, layout):
+    line = next(
+        (line for line in output.splitlines() if f"VLM PARITY OK {layout} {directories[family]} " in line), ""
     )
-    line = next((line for line in out.splitlines() if "VLM PARITY OK" in line), "")
     print(line)
-    assert f"VLM PARITY OK {layout}" in line
+    assert f"VLM PARITY OK {layout}" in line, "\n".join(output.splitlines()[-60:])
     if layout == "pp2":  # tiny Qwen3-VL: DeepStack after layers 1 and 2, both on the first stage
         assert "layers per stage " + ("[[1, 2], [3]]" if family == "qwen3_vl" else "[[1], [2]]") in line

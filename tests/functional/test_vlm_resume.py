@@ -19,7 +19,7 @@ import torch
 
 from tests.vlm_models import build_tiny_vl
 
-from .training import Run, run_train
+from .training import Run, finish, start_train
 
 pytestmark = [
     pytest.mark.functional,
@@ -56,19 +56,46 @@ class Resumed:
     freeze_vision: bool
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory) -> Resumed:
-    family, extra = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    source = build_tiny_vl(root / "model", family=family, sharp=False)
-    command = ["model=hf", f"model.pretrained={source}", *VL, *extra]
-    reference = run_train([*command, f"checkpoint.dir={root / 'ref_ckpt'}"], root / "ref").check()
-    stopped = [*command, f"checkpoint.dir={root / 'ckpt'}"]
-    first = run_train([*stopped, f"trainer.exit_interval={STOP}"], root / "run").check()
-    resumed = run_train(stopped, root / "run")
-    return Resumed(
-        source, reference, root / "ref_ckpt", first, resumed, root / "ckpt", freeze_vision=not extra
-    )
+def command(name: str, source: Path, ckpt: Path) -> list[str]:
+    return ["model=hf", f"model.pretrained={source}", *VL, *CASES[name][1], f"checkpoint.dir={ckpt}"]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, Resumed]:
+    """Every case's runs, one process each: the uninterrupted and the stopped runs of every case start together
+    (independent runs; one process alone leaves a core of two idle), then the resumed runs together."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in CASES}
+    sources = {
+        name: build_tiny_vl(roots[name] / "model", family=CASES[name][0], sharp=False) for name in CASES
+    }
+    references, firsts = {}, {}
+    for name, root in roots.items():
+        references[name] = start_train(command(name, sources[name], root / "ref_ckpt"), root / "ref")
+        stop = f"trainer.exit_interval={STOP}"
+        firsts[name] = start_train([*command(name, sources[name], root / "ckpt"), stop], root / "run")
+    references = {name: finish(started).check() for name, started in references.items()}
+    firsts = {name: finish(started).check() for name, started in firsts.items()}
+    resumed = {
+        name: start_train(command(name, sources[name], root / "ckpt"), root / "run")
+        for name, root in roots.items()
+    }
+    return {
+        name: Resumed(
+            sources[name],
+            references[name],
+            root / "ref_ckpt",
+            firsts[name],
+            finish(resumed[name]),
+            root / "ckpt",
+            freeze_vision=not CASES[name][1],
+        )
+        for name, root in roots.items()
+    }
+
+
+@pytest.fixture(params=list(CASES))
+def case(request, cases) -> Resumed:
+    return cases[request.param]
 
 
 def logged(run: Run, steps) -> list[tuple]:

@@ -6,13 +6,14 @@ the same global batch and weights.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from tests.vlm_models import build_tiny_vl
 
-from .training import run_train
+from .training import Run, finish, start_train
 
 pytestmark = pytest.mark.functional
 
@@ -28,58 +29,79 @@ VL = (
 )
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
-def directory(request, tmp_path_factory):
-    return build_tiny_vl(tmp_path_factory.mktemp("vl"), family=request.param)
+# The parallel run each family trains besides packed, padded and CP2 (Qwen3-VL-MoE under PP: unchecked).
+# Qwen3-VL's tiny language model has 3 layers, DeepStack after layers 1 and 2: both go on the first stage (with the
+# vision tower), the third on the second (checks.py refuses any other split, naming this key).
+OTHER = {
+    "qwen2_5_vl": ("pp2", ("parallel=pp2",)),
+    "qwen3_vl": ("pp2", ("parallel=pp2", "+model.config.num_layers_in_first_pipeline_stage=2")),
+    "qwen3_vl_moe": ("ep2", ("parallel=ep2",)),
+}
 
 
 @pytest.fixture(scope="module")
-def packed(directory, tmp_path_factory):
-    model = ("model=hf", f"model.pretrained={directory}")
-    return run_train([*model, *VL], tmp_path_factory.mktemp("packed") / "run").check()
+def runs(tmp_path_factory):
+    """``runs(family) -> (directory, {name: Run})``, once a family: the packed, padded and CP2 runs on a tiny directory
+    of the family and its other parallel run (OTHER), started together: independent runs, and a one-process run
+    alone leaves a core of two idle."""
+    done = {}
+
+    def get(family: str) -> tuple[Path, dict[str, Run]]:
+        if family not in done:
+            root = tmp_path_factory.mktemp(family)
+            directory = build_tiny_vl(root / "vl", family=family)
+            model = ("model=hf", f"model.pretrained={directory}")
+            other, overrides = OTHER[family]
+            started = {
+                "packed": start_train([*model, *VL], root / "packed"),
+                "padded": start_train(
+                    [*model, *VL, "dataset.pack_sequences_in_batch=false"], root / "padded"
+                ),
+                "cp2": start_train([*model, *VL, "parallel=cp2"], root / "cp2", nproc=2),
+                other: start_train([*model, *VL, *overrides], root / other, nproc=2),
+            }
+            done[family] = directory, {name: finish(run, timeout=300) for name, run in started.items()}
+        return done[family]
+
+    return get
 
 
-def test_packed_padded_and_cp2_runs_train_the_same_losses(directory, packed, tmp_path):
-    model = ("model=hf", f"model.pretrained={directory}")
-    padded = run_train([*model, *VL, "dataset.pack_sequences_in_batch=false"], tmp_path / "padded").check()
-    cp2 = run_train([*model, *VL, "parallel=cp2"], tmp_path / "cp2", nproc=2, timeout=300).check()
+@pytest.mark.parametrize("family", list(OTHER))
+def test_packed_padded_and_cp2_runs_train_the_same_losses(runs, family):
+    _, run = runs(family)
+    packed, padded, cp2 = run["packed"].check(), run["padded"].check(), run["cp2"].check()
     print("packed", packed.losses, "padded", padded.losses, "cp2", cp2.losses)
     assert len(packed.losses) == 3
     assert padded.losses == pytest.approx(packed.losses, rel=1e-5)
     assert cp2.losses == pytest.approx(packed.losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("directory", ["qwen3_vl_moe"], indirect=True)
-def test_ep2_trains_the_same_losses_as_one_rank(directory, packed, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_vl_moe"])
+def test_ep2_trains_the_same_losses_as_one_rank(runs, family):
     """Half the experts on each of two ranks (two data-parallel ranks, each half the global batch; alltoall)."""
-    model = ("model=hf", f"model.pretrained={directory}")
-    ep2 = run_train([*model, *VL, "parallel=ep2"], tmp_path / "ep2", nproc=2, timeout=300).check()
+    _, run = runs(family)
+    packed, ep2 = run["packed"].check(), run["ep2"].check()
     print("packed", packed.losses, "ep2", ep2.losses)
     assert ep2.losses == pytest.approx(packed.losses, rel=1e-5)
 
 
-# Qwen3-VL's tiny language model has 3 layers, DeepStack after layers 1 and 2: both go on the first stage (with the
-# vision tower), the third on the second (checks.py refuses any other split, naming this key).
-FIRST_STAGE = {"qwen3_vl": ("+model.config.num_layers_in_first_pipeline_stage=2",)}
-
-
-@pytest.mark.parametrize(
-    "directory", ["qwen2_5_vl", "qwen3_vl"], indirect=True
-)  # Qwen3-VL-MoE under PP: unchecked
-def test_pp2_trains_the_same_losses_as_one_rank(directory, packed, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_pp2_trains_the_same_losses_as_one_rank(runs, family):
     """The vision tower (and DeepStack) on the first stage, the hidden states sent on, MRoPE ids on both stages."""
-    family = "qwen3_vl" if "Qwen3VL" in (directory / "config.json").read_text() else "qwen2_5_vl"
-    model = ("model=hf", f"model.pretrained={directory}", *FIRST_STAGE.get(family, ()))
-    pp2 = run_train([*model, *VL, "parallel=pp2"], tmp_path / "pp2", nproc=2, timeout=300).check()
+    _, run = runs(family)
+    packed, pp2 = run["packed"].check(), run["pp2"].check()
     print("packed", packed.losses, "pp2", pp2.losses)
     assert pp2.losses == pytest.approx(packed.losses, rel=1e-5)
 
 
-def test_first_step_loss_equals_transformers_on_the_same_batch(directory, packed):
+@pytest.mark.parametrize("family", list(OTHER))
+def test_first_step_loss_equals_transformers_on_the_same_batch(runs, family):
     import torch
 
     from benchmarks.vlm_gpu import first_batch_rows, transformers_loss
 
+    directory, run = runs(family)
+    packed = run["packed"].check()
     args = SimpleNamespace(samples=SAMPLES, max_side=MAX_SIDE, seq_length=SEQ, global_batch=BATCH, seed=SEED)
     expected = transformers_loss(directory, first_batch_rows(directory, args), torch.float32, "cpu")
     print(f"first-step loss thdpack {packed.losses[0]:.8f} transformers {expected:.8f}")

@@ -149,6 +149,7 @@ def save_checkpoint(
         "vocab_size": int(unwrap_model(model).vocab_size),
         **extra,
     }
+    _write_results_in_process()
     dist_checkpointing.save(state, str(partial))
     dist.barrier()
     if os.environ.get(KILL_BEFORE_RENAME) == str(iteration):
@@ -165,6 +166,22 @@ def save_checkpoint(
         _fsync_dir(Path(directory))
     dist.barrier()
     return final
+
+
+def _write_results_in_process() -> None:
+    """megatron-core 0.16's torch_dist writer (dist_checkpointing/strategies/filesystem_async.py) hands a save's
+    write results to the saving process over a queue it creates on the first save from a multiprocessing Manager
+    started with "spawn": a new interpreter that imports the launching module (``thdpack.train``, hence torch and
+    thdpack: about 3 s of CPU on every rank of every run that saves), and a process that outlives a killed rank. A
+    synchronous save, the only kind thdpack makes, runs the writer in this process: a plain queue carries them."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if (
+        getattr(filesystem_async, "_results_queue", ...) is None
+    ):  # not created yet (and the name still exists)
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_checkpoint(

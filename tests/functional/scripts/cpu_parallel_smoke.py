@@ -1,7 +1,8 @@
 """Megatron-core on CPU over gloo: a parallel run gives the single-rank loss (and gradients).
 
 Run by tests/functional/test_cpu_parallel.py as
-`torchrun --nproc_per_node=2 cpu_parallel_smoke.py --layout {tp2,tp2sp,pp2,ep2,ep2_alltoall}`.
+`torchrun --nproc_per_node=2 cpu_parallel_smoke.py --layout tp2 tp2sp pp2 ep2 ep2_alltoall`: the layouts one after
+another in one launch (one start-up for all); a failing layout stops the launch.
 
 Every rank first builds the reference: the same seeded GPT model without model parallelism, run on
 the micro-batches that rank will see. Then it rebuilds the model under the layout, copies the
@@ -13,6 +14,7 @@ draws each full weight and slices it), runs one step through `get_forward_backwa
   - where the run saw exactly the reference data (no data parallelism), every gradient that is not a
     tensor-parallel shard (norms, row-parallel biases, whole layers under PP, the tied embedding
     after `finalize_model_grads`) equals the reference gradient.
+Every rank prints "[<layout>] rank <r>: checks passed" once all of them passed.
 """
 
 import argparse
@@ -124,7 +126,7 @@ def reference_name(name: str, layer_offset: int, expert_offset: int, reference: 
     return name
 
 
-def main(layout: str) -> None:
+def check(layout: str) -> None:
     sizes, overrides, seq_lens = LAYOUTS[layout]
 
     # 1. reference: no model parallelism, every rank a data-parallel rank
@@ -193,10 +195,17 @@ def main(layout: str) -> None:
         tp_losses = [None] * ps.get_tensor_model_parallel_world_size()
         dist.all_gather_object(tp_losses, got, group=ps.get_tensor_model_parallel_group())
         assert all(t == got for t in tp_losses), f"tensor-parallel ranks disagree: {tp_losses}"
+    print(f"[{layout}] rank {rank}: checks passed", flush=True)
+    ps.destroy_model_parallel()
+
+
+def main(layouts: list[str]) -> None:
+    for layout in layouts:
+        check(layout)
     destroy_model_parallel_cpu()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), nargs="+", required=True)
     main(parser.parse_args().layout)

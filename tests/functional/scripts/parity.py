@@ -9,7 +9,10 @@ Run under torchrun (gloo on CPU). Every rank:
      DP rank's micro-batches;
   3. reduces gradients as finalize_model_grads does (SP norms over TP, DP x CP, divide by the global token
      count), gathers shards into full tensors, and rank 0 compares loss and every gradient.
-Prints "PARITY OK <layout> max|dloss|=... max|dgrad|=..." on success; raises otherwise.
+Prints "PARITY OK <layout> <scenario> mode=<mode> max|dloss|=... max|dgrad|=..." on success; raises otherwise.
+Several cases, separated by ``+``, run one after another in one launch (``--layout tp2 + --layout cp2 --mode
+distinct``): each re-initialises Megatron as a case alone does, and the start-up (seconds of imports per rank)
+is paid once.
 
 ``--device cuda --backend te`` runs the same case on GPUs with NCCL, Transformer Engine attention and bf16
 (the GPU check; not CI): then the comparison is reported, and only asserted loosely (bf16 rounding).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -357,7 +361,7 @@ def record_router_counts() -> list:
     return counts
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
     parser.add_argument("--scenario", default="mixed", choices=["mixed", "segment_ids", "all_masked_cp_rank"])
@@ -370,15 +374,32 @@ def main():
         action="store_true",
         help="send batches over separate gloo TP groups, as with NCCL (on CPU the TP group already is gloo)",
     )
+    return parser
+
+
+def run_case(args) -> None:
+    """One case: the reference, then the packed step under ``args.layout``; rank 0 compares and prints PARITY OK."""
     global ARGS
-    args = ARGS = parser.parse_args()
+    ARGS = args
     layout = LAYOUTS[args.layout]
     moe, mrope = layout.get("moe", False), layout.get("mrope", False)
 
-    if args.own_gloo_tp_groups:
-        from thdpack.megatron import batch as batch_module
+    from thdpack.megatron import batch as batch_module
 
+    is_gloo, switch_load_balancing_loss_func = (
+        batch_module._is_gloo,
+        moe_router.switch_load_balancing_loss_func,
+    )
+    if args.own_gloo_tp_groups:
         batch_module._is_gloo = lambda group: False
+    try:
+        compare(args, layout, moe, mrope)
+    finally:  # the next case of this launch starts from megatron-core and thdpack as they were
+        batch_module._is_gloo = is_gloo
+        moe_router.switch_load_balancing_loss_func = switch_load_balancing_loss_func
+
+
+def compare(args, layout: dict, moe: bool, mrope: bool) -> None:
     init_parallel()
     world = dist.get_world_size()
     tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
@@ -435,12 +456,25 @@ def main():
                     merged[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
                 )
         print(
-            f"PARITY OK {args.layout} {args.scenario} loss={loss:.6f} max|dloss|={dloss:.2e} max|dgrad|={worst:.2e}"
+            f"PARITY OK {args.layout} {args.scenario} mode={args.mode} loss={loss:.6f} max|dloss|={dloss:.2e} max|dgrad|={worst:.2e}"
         )
     dist.barrier()
     ps.destroy_model_parallel()
+
+
+def main(argv: list[str]) -> None:
+    """``parity.py --layout L [...] [+ --layout L2 [...]]``: the cases separated by ``+`` run one after another in
+    this launch (one start-up for all; a failing case stops the launch)."""
+    cases = [[]]
+    for arg in argv:
+        if arg == "+":
+            cases.append([])
+        else:
+            cases[-1].append(arg)
+    for case in cases:
+        run_case(parser().parse_args(case))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

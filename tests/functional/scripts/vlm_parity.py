@@ -8,7 +8,9 @@ loss sums are reduced over CP.
 
     torchrun --nproc-per-node 2 tests/functional/scripts/vlm_parity.py --layout cp2 --directory DIR
 
-Prints ``VLM PARITY OK <layout> max|dlogit|=... |dloss|=... layers per stage [[...], ...]``; raises otherwise.
+Prints ``VLM PARITY OK <layout> <directory> max|dlogit|=... |dloss|=... layers per stage [[...], ...]``; raises
+otherwise. ``--layout cp2 pp2 --directory DIR + --layout ep2 --directory DIR2`` runs every layout of every
+directory one after another in one launch (the start-up, seconds of imports a rank, paid once).
 """
 
 from __future__ import annotations
@@ -63,23 +65,58 @@ def first_stage_holds_deepstack(group: dict, directory: str, pp: int) -> dict:
     return {**group, "config": {**group["config"], "num_layers_in_first_pipeline_stage": first}}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), nargs="+", required=True)
     parser.add_argument("--directory", required=True)
-    args = parser.parse_args()
-    layout = LAYOUTS[args.layout]
+    return parser
+
+
+def rope_index_ids(directory: str, batch) -> list[torch.Tensor]:
+    """transformers' get_rope_index ids of every sample of ``batch`` (``[3, length]`` each)."""
+    hf = hf_class(directory).from_pretrained(directory).model
+    takes_types = "mm_token_type_ids" in inspect.signature(hf.get_rope_index).parameters
+    expected_ids = []
+    for s in batch:
+        ids = torch.from_numpy(s.tokens)[None]
+        grids = torch.from_numpy(s.media["image_grid_thw"]) if len(s.media["image_grid_thw"]) else None
+        kwargs = {"mm_token_type_ids": (ids == hf.config.image_token_id).int()} if takes_types else {}
+        expected_ids.append(hf.get_rope_index(ids, image_grid_thw=grids, **kwargs)[0][:, 0])
+    return expected_ids
+
+
+def main(argv: list[str]) -> None:
+    """``--layout L [L ...] --directory DIR [+ --layout ... --directory DIR2 ...]``: every layout of every directory,
+    one after another in this launch (one start-up for all); the reference is computed once a directory."""
+    groups = [[]]
+    for arg in argv:
+        if arg == "+":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from thdpack.hf.processor import VLProcessor
+
+    for group in groups:
+        args = parser().parse_args(group)
+        torch.manual_seed(0)
+        batch = samples(VLProcessor(args.directory), mixed_chats())
+        reference = hf_reference(args.directory, batch)
+        expected_ids = rope_index_ids(args.directory, batch)
+        for layout in args.layout:
+            check(layout, args.directory, batch, reference, expected_ids)
+    dist.destroy_process_group()
+
+
+def check(name: str, directory: str, batch, reference, expected_ids: list[torch.Tensor]) -> None:
+    """thdpack's packed forward of ``batch`` under layout ``name`` against transformers' ``reference``; prints
+    VLM PARITY OK on the last rank, raises SystemExit on a failed check."""
+    layout = LAYOUTS[name]
     cp, tp, sp, ep = layout.get("cp", 1), layout.get("tp", 1), layout.get("sp", False), layout.get("ep", 1)
     pp = layout.get("pp", 1)
-    os.environ["HF_HUB_OFFLINE"] = "1"
     from megatron.core import parallel_state as ps
 
-    from thdpack.hf.processor import VLProcessor
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
-
-    torch.manual_seed(0)
-    batch = samples(VLProcessor(args.directory), mixed_chats())
-    reference = hf_reference(args.directory, batch)
 
     initialize_model_parallel_cpu(
         tensor_model_parallel_size=tp,
@@ -95,14 +132,14 @@ def main() -> None:
         expert_model_parallel_size=ep,
         sequence_parallel=sp,
     )
-    group = model_group(args.directory, SEQ, tp)
+    group = model_group(directory, SEQ, tp)
     if pp > 1:
-        group = first_stage_holds_deepstack(group, args.directory, pp)
-    model, config = build(args.directory, group, parallel, SEQ)
+        group = first_stage_holds_deepstack(group, directory, pp)
+    model, config = build(directory, group, parallel, SEQ)
     assert config.sequence_parallel == sp
     if ep > 1:
         experts = config.num_moe_experts
-        assert experts, f"--layout {args.layout} needs a mixture-of-experts checkpoint"
+        assert experts, f"--layout {name} needs a mixture-of-experts checkpoint"
         local = model.language_model.decoder.layers[0].mlp.experts.num_local_experts
         assert local == experts // ep, (local, experts, ep)
     cp_rank = ps.get_context_parallel_rank()
@@ -113,14 +150,6 @@ def main() -> None:
     difference = max_logit_difference(reference, logits, where) if last_stage else 0.0
 
     # The MRoPE ids this rank's tokens carry are transformers' get_rope_index ids at their sample positions.
-    hf = hf_class(args.directory).from_pretrained(args.directory).model
-    takes_types = "mm_token_type_ids" in inspect.signature(hf.get_rope_index).parameters
-    expected_ids = []
-    for s in batch:
-        ids = torch.from_numpy(s.tokens)[None]
-        grids = torch.from_numpy(s.media["image_grid_thw"]) if len(s.media["image_grid_thw"]) else None
-        kwargs = {"mm_token_type_ids": (ids == hf.config.image_token_id).int()} if takes_types else {}
-        expected_ids.append(hf.get_rope_index(ids, image_grid_thw=grids, **kwargs)[0][:, 0])
     from thdpack import Alignment, pack_bshd
     from thdpack.data.collate import collate
 
@@ -169,7 +198,7 @@ def main() -> None:
     failed = [name for name, ok in checks.items() if not ok]
     if failed:
         raise SystemExit(
-            f"rank {dist.get_rank()}: {args.layout} failed {failed}: max|dlogit|={float(worst):.3g} loss {loss} vs "
+            f"rank {dist.get_rank()}: {name} failed {failed}: max|dlogit|={float(worst):.3g} loss {loss} vs "
             f"{expected}, mrope mismatches {int(totals[2])}, tokens {int(totals[3])}/{real_tokens}"
         )
     # the decoder layers (1-based) each pipeline stage holds, for the report
@@ -178,12 +207,11 @@ def main() -> None:
     dist.all_gather_object(stages, held, group=ps.get_pipeline_model_parallel_group())
     if dist.get_rank() == dist.get_world_size() - 1:  # on the last pipeline stage
         print(
-            f"VLM PARITY OK {args.layout} max|dlogit|={float(worst):.3g} |dloss|={abs(loss - expected):.3g} "
+            f"VLM PARITY OK {name} {directory} max|dlogit|={float(worst):.3g} |dloss|={abs(loss - expected):.3g} "
             f"layers per stage {stages}"
         )
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
