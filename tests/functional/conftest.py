@@ -112,6 +112,10 @@ def run_torchrun_fixture():
     return run_torchrun
 
 
+# runs under way at once from trained.ahead: two one-rank runs fill two cores, two-rank runs overlap
+AHEAD = 2
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """`trained(*overrides, nproc=1) -> Run`: `python -m thdpack.train` (tests/functional/training.py), run once
@@ -150,8 +154,3 @@ def trained(tmp_path_factory):
 
     get.start, get.ahead = start, ahead
     return get
-
-
-AHEAD = (
-    2  # runs under way at once from trained.ahead: two one-rank runs fill two cores, two-rank runs overlap
-)

@@ -6,14 +6,12 @@ checkpoint holds, bit for bit, and transformers computes with it what thdpack co
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from tests.hf_models import hf_logits_per_sample, hf_model, padded_batch, save_model
 
-from .training import finish, start, start_train, tail
+from .training import export_runs, finish, start_train, tail
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
@@ -41,15 +39,7 @@ def exports(tmp_path_factory) -> dict[str, tuple]:
         ]
         started[layout] = start_train(command, root / "run", nproc=2)
     runs = {layout: finish(run) for layout, run in started.items()}
-    exporting = {
-        layout: start(
-            [sys.executable, "-m", "thdpack.export", str(roots[layout] / "ckpt"), str(roots[layout] / "out")],
-            roots[layout] / "out",
-        )
-        for layout, run in runs.items()
-        if run.returncode == 0
-    }
-    done = {layout: finish(export) for layout, export in exporting.items()}
+    done = export_runs(runs, roots)
     return {layout: (sources[layout], roots[layout], runs[layout], done.get(layout)) for layout in LAYOUTS}
 
 

@@ -10,6 +10,7 @@ one after another; each test looks for its own case's PARITY OK line.
 import pytest
 
 from .conftest import run_torchrun
+from .training import tail
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
@@ -57,10 +58,6 @@ def launched():
 
 def passed(output: str, case: str) -> bool:
     return f"PARITY OK {case} " in output
-
-
-def tail(output: str) -> str:
-    return "\n".join(output.splitlines()[-60:])
 
 
 @pytest.mark.parametrize(("layout", "nproc"), LAYOUTS, ids=[name for name, _ in LAYOUTS])

@@ -8,14 +8,13 @@ Qwen3-VL run under TP2 and a Qwen3-VL-MoE run under EP2 export what the one-rank
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
 from tests.vlm_models import build_tiny_vl, released_orientation
 
-from .training import finish, start, start_train, tail
+from .training import export_runs, finish, start_train, tail
 
 pytestmark = [
     pytest.mark.functional,
@@ -69,15 +68,7 @@ def exports(tmp_path_factory) -> dict[str, tuple]:
         ]
         started[key] = start_train(command, root / "run", nproc=2 if layout else 1)
     trained = {key: finish(run, timeout=300) for key, run in started.items()}
-    exporting = {
-        key: start(
-            [sys.executable, "-m", "thdpack.export", str(roots[key] / "ckpt"), str(roots[key] / "out")],
-            roots[key] / "out",
-        )
-        for key, run in trained.items()
-        if run.returncode == 0
-    }
-    done = {key: finish(export) for key, export in exporting.items()}
+    done = export_runs(trained, roots)
     return {key: (sources[key], roots[key], trained[key], done.get(key)) for key in roots}
 
 

@@ -125,6 +125,20 @@ def finish(run: Started, timeout: float = 180) -> Run:
     )
 
 
+def export_runs(trained: dict, roots: dict) -> dict:
+    """``python -m thdpack.export <root>/ckpt <root>/out`` for every run of ``trained`` that succeeded, all started
+    together, then waited for: ``{key: Run}`` (a failed run has no entry)."""
+    exporting = {
+        key: start(
+            [sys.executable, "-m", "thdpack.export", str(roots[key] / "ckpt"), str(roots[key] / "out")],
+            roots[key] / "out",
+        )
+        for key, run in trained.items()
+        if run.returncode == 0
+    }
+    return {key: finish(export) for key, export in exporting.items()}
+
+
 def kill_group(run: Started) -> None:
     """``kill -9`` the run and every process of its group (those it started); call it before reaping the run."""
     with contextlib.suppress(ProcessLookupError):

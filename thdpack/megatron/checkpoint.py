@@ -178,9 +178,8 @@ def _write_results_in_process() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if (
-        getattr(filesystem_async, "_results_queue", ...) is None
-    ):  # not created yet (and the name still exists)
+    # None: not created yet (a release without the name is left alone)
+    if getattr(filesystem_async, "_results_queue", ...) is None:
         filesystem_async._results_queue = queue.Queue()
 
 
