@@ -197,6 +197,24 @@ def test_transformer_engine_attention_needs_transformer_engine(monkeypatch):
     )
 
 
+def test_te_op_fuser_needs_transformer_engine_and_a_dense_mlp():
+    fails(
+        "model.te_op_fuser=sometimes",
+        match=r"model\.te_op_fuser is 'sometimes': it must be true, false or auto",
+    )
+    fails(
+        "model.te_op_fuser=true",
+        match=r"model\.te_op_fuser=true .*model\.attention_backend=te \(here torch\)",
+    )
+    fails(
+        "model=tiny_moe",
+        "model.te_op_fuser=true",
+        "model.attention_backend=te",
+        match=r"model\.te_op_fuser=true fuses a dense MLP: .*num_moe_experts=4\)",
+        device="cuda",
+    )
+
+
 def test_torch_attention_on_cuda_warns_that_rope_runs_unfused():
     (warning,) = check("model.attention_backend=torch", device="cuda")
     assert warning.startswith("attention_backend=torch on CUDA: RoPE runs unfused")

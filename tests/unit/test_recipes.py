@@ -136,3 +136,18 @@ def test_runtime_defaults_follow_the_device():
     runtime = resolve_runtime(cfg.trainer.precision, cfg.model.attention_backend)
     expected = ("cuda", "bf16", "te") if torch.cuda.is_available() else ("cpu", "fp32", "torch")
     assert (runtime.device, runtime.precision, runtime.backend) == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "fused"),
+    [
+        ((), "cpu", False),  # the torch backend has no TE modules
+        (("model=llama3_1b",), "cpu", False),
+        (("model=llama3_1b",), "cuda", True),
+        (("model=tiny_moe",), "cuda", False),  # experts: megatron-core's TEFusedMLP is a dense MLP
+        (("model=llama3_1b", "model.te_op_fuser=false"), "cuda", False),
+        (("model.te_op_fuser=true",), "cpu", True),  # kept as given; check_recipe refuses it with the reason
+    ],
+)
+def test_te_op_fuser_auto_is_on_with_transformer_engine_and_a_dense_mlp(overrides, device, fused):
+    assert resolve_recipe(_compose(*overrides), device=device).model.te_op_fuser is fused

@@ -94,6 +94,7 @@ _MODEL_KEYS = (
     "rotary_base",
     "rope_scaling",
     "share_embeddings_and_output_weights",
+    "te_op_fuser",
 )
 
 

@@ -90,6 +90,7 @@ def _build_gpt(model: Mapping, config, vocab_size: int, max_sequence_length: int
         position_embedding_type=model.get("position_embedding_type", "rope"),
         rotary_base=int(model.get("rotary_base", 10000)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
+        te_op_fuser=model.get("te_op_fuser") is True,  # "auto" is resolved with the recipe
     )
     use_output_loss(module, resolve_output_loss(model, runtime.device))
     return module
@@ -104,6 +105,7 @@ GPT = ModelFamily(
         "rotary_base",
         "share_embeddings_and_output_weights",
         "output_loss",
+        "te_op_fuser",
     ),
 )
 

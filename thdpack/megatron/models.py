@@ -87,6 +87,7 @@ def build_gpt_model(
     post_process: bool | None = None,
     packed_mrope: bool = True,
     mrope_interleaved: bool = False,
+    te_op_fuser: bool = False,
     **model_kwargs: Any,
 ) -> GPTModel:
     """A `GPTModel` (MoE when `config.num_moe_experts` is set) with the `backend` layer spec.
@@ -95,8 +96,12 @@ def build_gpt_model(
     `GPTModel` (e.g. `rotary_base`, `share_embeddings_and_output_weights`, `pg_collection`).
     An MRoPE model gets `enable_packed_mrope` (correct per-token MRoPE on packed rows, also under CP)
     unless `packed_mrope=False`; `mrope_interleaved` picks Qwen3-VL's frequency layout
-    (`thdpack.megatron.mrope.mrope_frequencies`).
+    (`thdpack.megatron.mrope.mrope_frequencies`). `te_op_fuser` (TE backend, dense MLP) builds megatron-core's
+    `TEFusedMLP`: norm, FC1, activation and FC2 as one Transformer Engine operation sequence, whose fused kernels
+    write the activation's FP8 cast directly; its parameters and state-dict keys are the plain MLP's.
     """
+    if te_op_fuser and (backend != "te" or config.num_moe_experts):
+        raise ValueError("te_op_fuser needs the TE backend and a dense MLP (no num_moe_experts)")
     if pre_process is None or post_process is None:
         from megatron.core import parallel_state
 
@@ -110,6 +115,7 @@ def build_gpt_model(
         moe_grouped_gemm=config.moe_grouped_gemm,
         # without it Megatron's specs build no q/k norm modules, whatever config.qk_layernorm says
         qk_layernorm=config.qk_layernorm,
+        **({"use_te_op_fuser": True} if te_op_fuser else {}),
     )
     if backend == "torch":
         spec = torch_block_spec(spec, config, model_kwargs.get("vp_stage"), model_kwargs.get("pg_collection"))

@@ -216,7 +216,7 @@ def build_language_model(
     mrope_interleaved: bool = False,
 ):
     """This rank's ``GPTModel`` chunk of a vision-language model's language model (MRoPE, packed), random weights:
-    the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``) and Megatron's config;
+    the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``, ``te_op_fuser``) and Megatron's config;
     ``mrope_interleaved``: Qwen3-VL's MRoPE frequency layout. The family that builds the whole model loads the
     checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
     from .models import build_gpt_model
@@ -230,6 +230,7 @@ def build_language_model(
         mrope_interleaved=mrope_interleaved,
         rotary_base=float(model.get("rotary_base", 1000000.0)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
+        te_op_fuser=model.get("te_op_fuser") is True,  # "auto" is resolved with the recipe
     )
 
 

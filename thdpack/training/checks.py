@@ -40,7 +40,7 @@ def check_recipe(
     """
     model, dataset, parallel = cfg["model"], cfg["dataset"], cfg["parallel"]
     backend = model["attention_backend"]
-    if "auto" in (backend, dataset.get("micro_batch_tokens")):
+    if "auto" in (backend, dataset.get("micro_batch_tokens"), model.get("te_op_fuser")):
         raise ValueError(
             "check_recipe takes a resolved recipe: pass it through thdpack.training.recipe.resolve_recipe"
         )
@@ -163,6 +163,21 @@ def check_recipe(
         check_fp8(cfg["trainer"], device, backend)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if model.get("te_op_fuser", False) not in (True, False):
+        raise ConfigError(
+            f"model.te_op_fuser is {model['te_op_fuser']!r}: it must be true, false or auto (true with "
+            "attention_backend=te and a dense MLP)"
+        )
+    if model.get("te_op_fuser") and backend != "te":
+        raise ConfigError(
+            f"model.te_op_fuser=true runs the MLP as Transformer Engine's fused operations: it needs "
+            f"model.attention_backend=te (here {backend})"
+        )
+    if model.get("te_op_fuser") and experts:
+        raise ConfigError(
+            f"model.te_op_fuser=true fuses a dense MLP: this model has experts (model.config.num_moe_experts="
+            f"{experts}); set model.te_op_fuser=false"
+        )
     if backend == "te":
         if device != "cuda":
             raise ConfigError(

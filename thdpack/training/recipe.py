@@ -28,6 +28,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
 
     - ``trainer.precision``: bf16 on CUDA, fp32 on CPU;
     - ``model.attention_backend``: ``te`` on CUDA, ``torch`` on CPU;
+    - ``model.te_op_fuser``: true with the ``te`` backend and a dense MLP (megatron-core's ``TEFusedMLP``), else
+      false;
     - ``model.family``: ``gpt`` when absent;
     - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
       (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family (a Qwen2.5-VL directory: the
@@ -68,6 +70,9 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.trainer.precision = runtime.precision
         out.model.attention_backend = runtime.backend
         out.model.family = out.model.get("family", "gpt")
+        if out.model.get("te_op_fuser") == "auto":
+            experts = (out.model.get("config") or {}).get("num_moe_experts")
+            out.model.te_op_fuser = runtime.backend == "te" and not experts
         if (
             fit
         ):  # the largest budget the measured memory model fits on this GPU (thdpack.training.token_budget)

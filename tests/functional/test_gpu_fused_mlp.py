@@ -1,0 +1,59 @@
+"""GPU: ``model.te_op_fuser=true`` builds megatron-core's ``TEFusedMLP`` (Transformer Engine's fused operations for
+norm, FC1, SwiGLU and FC2) with the plain MLP's parameters, and trains packed to the plain MLP's losses and
+gradient norms, in bf16 (also with MRoPE, the vision-language models' language model) and in FP8."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from .training import steps_in_process
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
+    ),
+]
+
+FP8 = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
+)
+
+
+def _steps(fused: bool, extra: list[str]) -> tuple[list[dict], dict]:
+    seen = {}
+
+    def inspect(run) -> None:
+        from thdpack.megatron.unwrap import unwrap_model
+
+        module = unwrap_model(run.model)
+        seen["mlp"] = {type(layer.mlp).__name__ for layer in module.decoder.layers}
+        seen["parameters"] = sorted(name for name, _ in module.named_parameters())
+
+    overrides = ["dataset.seq_length=512", "dataset.max_files=40", f"model.te_op_fuser={fused}", *extra]
+    return steps_in_process(overrides, 4, inspect=inspect), seen
+
+
+@pytest.mark.parametrize(
+    ("precision", "rel"),
+    [
+        pytest.param(["trainer.precision=bf16"], (2e-3, 2e-2), id="bf16"),
+        pytest.param(
+            ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"], (2e-2, 1e-1), id="fp8", marks=FP8
+        ),
+    ],
+)
+def test_the_fused_mlp_trains_to_the_plain_mlps_losses(precision, rel):
+    plain, plain_seen = _steps(False, precision)
+    fused, fused_seen = _steps(True, precision)
+    assert plain_seen["mlp"] == {"MLP"} and fused_seen["mlp"] == {"TEFusedMLP"}
+    assert (
+        fused_seen["parameters"] == plain_seen["parameters"]
+    )  # checkpoints and HF export read the same keys
+    for a, b in zip(plain, fused, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel[0])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel[1])
