@@ -4,10 +4,11 @@ bf16's on the same seed and samples."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
+
+from .training import steps_in_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,31 +24,11 @@ pytestmark = [
 
 
 def _losses(precision: list[str], steps: int = 4) -> list[float]:
-    from hydra import compose, initialize_config_dir
-
-    from thdpack.training.deferred import DeferredScalars
-    from thdpack.training.loop import (
-        STEP_SCALARS,
-        _shutdown,
-        recipes_dir,
-        setup_run,
-        step_scalars,
-        train_step,
-    )
-
-    os.environ.pop("MASTER_PORT", None)
-    overrides = ["dataset.seq_length=512", "dataset.max_files=40", f"trainer.train_iters={steps}", *precision]
-    with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
-        run = setup_run(compose("train", overrides=overrides))
-    try:
+    def is_fp8(run) -> None:
         assert bool(run.config.fp8) == ("trainer.precision=fp8" in precision)
-        scalars = DeferredScalars("cuda", lag=0)
-        for step in range(1, steps + 1):
-            reports, outcome = train_step(run, run.data.next_step())
-            scalars.push(step, step_scalars(reports, outcome, True, run.step.loss))
-        return [dict(zip(STEP_SCALARS, values, strict=True))["loss"] for _, values, _ in scalars.drain()]
-    finally:
-        _shutdown()
+
+    overrides = ["dataset.seq_length=512", "dataset.max_files=40", *precision]
+    return [step["loss"] for step in steps_in_process(overrides, steps, inspect=is_fp8)]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])

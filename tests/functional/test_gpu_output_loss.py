@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from .training import steps_in_process
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 IMPLS = [
@@ -53,40 +55,19 @@ def test_bf16_losses_and_gradients_match_the_full_logits(impl, compiled):
 @pytest.mark.parametrize("output_loss", ["chunked", "liger"])
 def test_a_packed_step_loss_matches_megatrons(output_loss):
     """The first step's loss (same seed, same batch) with the fused output loss and with Megatron's."""
-    import os
-
-    from hydra import compose, initialize_config_dir
-
-    from thdpack.training.deferred import DeferredScalars
-    from thdpack.training.loop import (
-        STEP_SCALARS,
-        _shutdown,
-        recipes_dir,
-        setup_run,
-        step_scalars,
-        train_step,
-    )
-
     if output_loss == "liger" and importlib.util.find_spec("liger_kernel") is None:
         pytest.fail("model.output_loss=liger is a supported setting: install thdpack[liger] on the GPU host")
-    losses = {}
-    for name in ("megatron", output_loss):
-        os.environ.pop("MASTER_PORT", None)
-        overrides = [
-            "dataset.seq_length=512",
-            "dataset.max_files=40",
-            "trainer.train_iters=3",
-            f"model.output_loss={name}",
-        ]
-        with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
-            run = setup_run(compose("train", overrides=overrides))
-        try:
-            scalars = DeferredScalars("cuda", lag=0)
-            reports, outcome = train_step(run, run.data.next_step())
-            scalars.push(1, step_scalars(reports, outcome, True, run.step.loss))
-            ((_, values, _),) = scalars.ready()
-            losses[name] = dict(zip(STEP_SCALARS, values, strict=True))
-        finally:
-            _shutdown()
+    losses = {
+        name: steps_in_process(
+            [
+                "dataset.seq_length=512",
+                "dataset.max_files=40",
+                "trainer.train_iters=3",
+                f"model.output_loss={name}",
+            ],
+            steps=1,
+        )[0]
+        for name in ("megatron", output_loss)
+    }
     assert losses[output_loss]["loss"] == pytest.approx(losses["megatron"]["loss"], rel=2e-3)
     assert losses[output_loss]["grad_norm"] == pytest.approx(losses["megatron"]["grad_norm"], rel=2e-2)

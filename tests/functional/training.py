@@ -197,3 +197,34 @@ def family(name: str, packed: bool = True) -> tuple[tuple[str, ...], int]:
     overrides, nproc = FAMILIES[name]
     packing = f"dataset.pack_sequences_in_batch={str(packed).lower()}"
     return (*overrides, f"trainer.train_iters={ITERS}", packing), nproc
+
+
+def steps_in_process(overrides, steps: int, inspect=None) -> list[dict]:
+    """Set up the default recipe with ``overrides`` in this process (the GPU tests: the device's own run, no
+    subprocess) and train ``steps`` steps; each step's scalars by name (``loss``, ``grad_norm``, ...). ``inspect``
+    is called with the set-up run before the first step."""
+    from hydra import compose, initialize_config_dir
+
+    from thdpack.training.deferred import DeferredScalars
+    from thdpack.training.loop import (
+        STEP_SCALARS,
+        _shutdown,
+        recipes_dir,
+        setup_run,
+        step_scalars,
+        train_step,
+    )
+
+    os.environ.pop("MASTER_PORT", None)
+    with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
+        run = setup_run(compose("train", overrides=[f"trainer.train_iters={steps}", *overrides]))
+    try:
+        if inspect is not None:
+            inspect(run)
+        scalars = DeferredScalars(run.runtime.device, lag=0)
+        for step in range(1, steps + 1):
+            reports, outcome = train_step(run, run.data.next_step())
+            scalars.push(step, step_scalars(reports, outcome, True, run.step.loss))
+        return [dict(zip(STEP_SCALARS, values, strict=True)) for _, values, _ in scalars.drain()]
+    finally:
+        _shutdown()
