@@ -39,21 +39,21 @@ def _steps(fused: bool, extra: list[str]) -> tuple[list[dict], dict]:
 
 
 @pytest.mark.parametrize(
-    ("precision", "rel"),
+    ("extra", "rel"),
     [
         pytest.param(["trainer.precision=bf16"], (2e-3, 2e-2), id="bf16"),
+        pytest.param(["model=tiny_mrope", "trainer.precision=bf16"], (2e-3, 2e-2), id="bf16_mrope"),
         pytest.param(
             ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"], (2e-2, 1e-1), id="fp8", marks=FP8
         ),
     ],
 )
-def test_the_fused_mlp_trains_to_the_plain_mlps_losses(precision, rel):
-    plain, plain_seen = _steps(False, precision)
-    fused, fused_seen = _steps(True, precision)
+def test_the_fused_mlp_trains_to_the_plain_mlps_losses(extra, rel):
+    plain, plain_seen = _steps(False, extra)
+    fused, fused_seen = _steps(True, extra)
     assert plain_seen["mlp"] == {"MLP"} and fused_seen["mlp"] == {"TEFusedMLP"}
-    assert (
-        fused_seen["parameters"] == plain_seen["parameters"]
-    )  # checkpoints and HF export read the same keys
+    # the same parameter names: checkpoints and the Hugging Face export read the same keys
+    assert fused_seen["parameters"] == plain_seen["parameters"]
     for a, b in zip(plain, fused, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=rel[0])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel[1])
