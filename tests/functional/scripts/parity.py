@@ -462,16 +462,21 @@ def compare(args, layout: dict, moe: bool, mrope: bool) -> None:
     ps.destroy_model_parallel()
 
 
-def main(argv: list[str]) -> None:
-    """``parity.py --layout L [...] [+ --layout L2 [...]]``: the cases separated by ``+`` run one after another in
-    this launch (one start-up for all; a failing case stops the launch)."""
+def split_cases(argv: list[str]) -> list[list[str]]:
+    """The command line's cases: the arguments between ``+`` separators (this script's and ``vlm_parity.py``'s)."""
     cases = [[]]
     for arg in argv:
         if arg == "+":
             cases.append([])
         else:
             cases[-1].append(arg)
-    for case in cases:
+    return cases
+
+
+def main(argv: list[str]) -> None:
+    """``parity.py --layout L [...] [+ --layout L2 [...]]``: the cases separated by ``+`` run one after another in
+    this launch (one start-up for all; a failing case stops the launch)."""
+    for case in split_cases(argv):
         run_case(parser().parse_args(case))
     dist.destroy_process_group()
 

@@ -88,12 +88,9 @@ def rope_index_ids(directory: str, batch) -> list[torch.Tensor]:
 def main(argv: list[str]) -> None:
     """``--layout L [L ...] --directory DIR [+ --layout ... --directory DIR2 ...]``: every layout of every directory,
     one after another in this launch (one start-up for all); the reference is computed once a directory."""
-    groups = [[]]
-    for arg in argv:
-        if arg == "+":
-            groups.append([])
-        else:
-            groups[-1].append(arg)
+    from parity import split_cases  # this directory's parity.py: the same "+" separators
+
+    groups = split_cases(argv)
     os.environ["HF_HUB_OFFLINE"] = "1"
     from thdpack.hf.processor import VLProcessor
 
