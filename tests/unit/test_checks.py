@@ -215,6 +215,23 @@ def test_te_op_fuser_needs_transformer_engine_and_a_dense_mlp():
     )
 
 
+def test_te_op_fuser_with_fp8_delayed_scaling_warns_that_resume_restarts_its_history(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # as if Transformer Engine were installed
+        "thdpack.training.checks.importlib.util.find_spec",
+        lambda name, *args: object() if name == "transformer_engine" else find_spec(name, *args),
+    )
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *args: (9, 0))  # a Hopper GPU
+    overrides = ("model.attention_backend=te", "trainer.precision=fp8", "trainer.fp8_recipe=delayed")
+    (warning,) = check(*overrides, "model.te_op_fuser=true", device="cuda")
+    assert warning.startswith(
+        "model.te_op_fuser=true with FP8 delayed scaling: the fused MLP's scaling history"
+    )
+    assert check(*overrides, device="cuda") == []  # auto: off under delayed scaling
+
+
 def test_torch_attention_on_cuda_warns_that_rope_runs_unfused():
     (warning,) = check("model.attention_backend=torch", device="cuda")
     assert warning.startswith("attention_backend=torch on CUDA: RoPE runs unfused")

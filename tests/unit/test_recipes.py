@@ -146,8 +146,13 @@ def test_runtime_defaults_follow_the_device():
         (("model=llama3_1b",), "cuda", True),
         (("model=tiny_moe",), "cuda", False),  # experts: megatron-core's TEFusedMLP is a dense MLP
         (("model=llama3_1b", "model.te_op_fuser=false"), "cuda", False),
+        # delayed scaling keeps a history that the fused operations' checkpoints lack; current scaling keeps none
+        (("model=llama3_1b", "trainer.precision=fp8", "trainer.fp8_recipe=delayed"), "cuda", False),
+        (("model=llama3_1b", "trainer.precision=fp8", "trainer.fp8_recipe=tensorwise"), "cuda", True),
         (("model.te_op_fuser=true",), "cpu", True),  # kept as given; check_recipe refuses it with the reason
     ],
 )
-def test_te_op_fuser_auto_is_on_with_transformer_engine_and_a_dense_mlp(overrides, device, fused):
+def test_te_op_fuser_auto_is_on_with_transformer_engine_a_dense_mlp_and_no_fp8_history(
+    overrides, device, fused
+):
     assert resolve_recipe(_compose(*overrides), device=device).model.te_op_fuser is fused

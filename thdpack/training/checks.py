@@ -178,6 +178,13 @@ def check_recipe(
             f"model.te_op_fuser=true fuses a dense MLP: this model has experts (model.config.num_moe_experts="
             f"{experts}); set model.te_op_fuser=false"
         )
+    fp8 = cfg["trainer"].get("precision") == "fp8"
+    if model.get("te_op_fuser") and fp8 and cfg["trainer"].get("fp8_recipe") == "delayed":
+        warnings.append(
+            "model.te_op_fuser=true with FP8 delayed scaling: the fused MLP's scaling history is not in checkpoints "
+            "(megatron-core's TEFusedMLP keeps its TE operations outside the module tree), so a resumed run restarts "
+            "it; model.te_op_fuser=false resumes it exactly"
+        )
     if backend == "te":
         if device != "cuda":
             raise ConfigError(
