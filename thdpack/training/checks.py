@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
 from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
 from thdpack.megatron.fp8 import check_fp8
+from thdpack.megatron.fused_mlp import check_te_op_fuser
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
 from thdpack.megatron.parallel_layout import first_stage_layers
@@ -161,30 +162,9 @@ def check_recipe(
         check_output_loss(model, parallel, device)
         check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
         check_fp8(cfg["trainer"], device, backend)
+        warnings += check_te_op_fuser(model, cfg["trainer"], backend)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if model.get("te_op_fuser", False) not in (True, False):
-        raise ConfigError(
-            f"model.te_op_fuser is {model['te_op_fuser']!r}: it must be true, false or auto (true with "
-            "attention_backend=te and a dense MLP)"
-        )
-    if model.get("te_op_fuser") and backend != "te":
-        raise ConfigError(
-            f"model.te_op_fuser=true runs the MLP as Transformer Engine's fused operations: it needs "
-            f"model.attention_backend=te (here {backend})"
-        )
-    if model.get("te_op_fuser") and experts:
-        raise ConfigError(
-            f"model.te_op_fuser=true fuses a dense MLP: this model has experts (model.config.num_moe_experts="
-            f"{experts}); set model.te_op_fuser=false"
-        )
-    fp8 = cfg["trainer"].get("precision") == "fp8"
-    if model.get("te_op_fuser") and fp8 and cfg["trainer"].get("fp8_recipe") == "delayed":
-        warnings.append(
-            "model.te_op_fuser=true with FP8 delayed scaling: the fused MLP's scaling history is not in checkpoints "
-            "(megatron-core's TEFusedMLP keeps its TE operations outside the module tree), so a resumed run restarts "
-            "it; model.te_op_fuser=false resumes it exactly"
-        )
     if backend == "te":
         if device != "cuda":
             raise ConfigError(

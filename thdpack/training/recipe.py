@@ -12,6 +12,7 @@ import copy
 from omegaconf import DictConfig, open_dict
 
 from thdpack.data.loader import micro_batch_tokens
+from thdpack.megatron.fused_mlp import resolve_te_op_fuser
 from thdpack.megatron.output_loss import resolve_output_loss
 from thdpack.megatron.runtime import resolve_runtime
 
@@ -28,8 +29,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
 
     - ``trainer.precision``: bf16 on CUDA, fp32 on CPU;
     - ``model.attention_backend``: ``te`` on CUDA, ``torch`` on CPU;
-    - ``model.te_op_fuser``: true with the ``te`` backend and a dense MLP (megatron-core's ``TEFusedMLP``), except
-      under FP8 delayed scaling (the fused operations' scaling history is not in checkpoints), else false;
+    - ``model.te_op_fuser``: :func:`thdpack.megatron.fused_mlp.resolve_te_op_fuser` (true with the ``te`` backend,
+      a dense MLP and no FP8 delayed scaling);
     - ``model.family``: ``gpt`` when absent;
     - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
       (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family (a Qwen2.5-VL directory: the
@@ -70,9 +71,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.trainer.precision = runtime.precision
         out.model.attention_backend = runtime.backend
         out.model.family = out.model.get("family", "gpt")
-        if out.model.get("te_op_fuser") == "auto":
-            experts = (out.model.get("config") or {}).get("num_moe_experts")
-            out.model.te_op_fuser = runtime.backend == "te" and not experts and not _fp8_history(runtime)
+        if "te_op_fuser" in out.model:
+            out.model.te_op_fuser = resolve_te_op_fuser(out.model, out.trainer, runtime.backend)
         if (
             fit
         ):  # the largest budget the measured memory model fits on this GPU (thdpack.training.token_budget)
@@ -82,12 +82,6 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.dataset.micro_batch_tokens = budget
         out.dataset.mrope = out.model.get("position_embedding_type") == "mrope"
     return out
-
-
-def _fp8_history(runtime) -> bool:
-    """Whether the run keeps an FP8 scaling history (TE's delayed scaling), which megatron-core's ``TEFusedMLP``
-    does not checkpoint: its TE operations live outside the module tree."""
-    return runtime.precision == "fp8" and runtime.fp8_recipe == "delayed"
 
 
 def _device_bytes(device: str) -> int | None:
