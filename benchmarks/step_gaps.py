@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from thdpack.training.profiling import busy_and_gaps
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -63,13 +65,9 @@ def analyse(events: Iterable[Mapping], largest: int = 40) -> dict:
     main = collections.Counter(e.get("tid") for e in ops).most_common(1)[0][0] if ops else None
     ops = sorted((e for e in ops if e.get("tid") == main), key=lambda e: e["ts"])
 
-    busy, end, gaps = 0.0, gpu[0][0], []
-    for start, stop, event in gpu:
-        if start > end:
-            gaps.append((end, start, event))
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    span = end - gpu[0][0]
+    busy, gaps = busy_and_gaps([(start, stop) for start, stop, _ in gpu])
+    gaps = [(begin, finish, gpu[i][2]) for begin, finish, i in gaps]
+    span = max(stop for _, stop, _ in gpu) - gpu[0][0]
 
     by_op: collections.Counter = collections.Counter()
     rows, active, next_op = [], [], 0  # active: a heap of (end, duration, name) of the operators begun so far

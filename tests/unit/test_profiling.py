@@ -26,3 +26,13 @@ def test_a_disabled_profile_records_nothing():
     with profile(enabled=False, device="cpu") as step:
         torch.ones(2).sum()
     assert step is None
+
+
+def test_busy_time_counts_overlapping_work_once_and_names_the_gaps():
+    from thdpack.training.profiling import busy_and_gaps
+
+    # two streams overlapping from 5 to 10, idle from 12 to 20, a span inside another at 21-22
+    busy, gaps = busy_and_gaps([(0.0, 10.0), (5.0, 12.0), (20.0, 30.0), (21.0, 22.0)])
+    assert busy == 22.0
+    assert gaps == [(12.0, 20.0, 2)]
+    assert busy_and_gaps([]) == (0.0, [])

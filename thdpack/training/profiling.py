@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepProfile", "catch_syncs", "profile"]
+__all__ = ["StepProfile", "busy_and_gaps", "catch_syncs", "profile"]
 
 
 @contextlib.contextmanager
@@ -85,12 +85,20 @@ def _busy_us(events) -> float:
     from torch.autograd import DeviceType
 
     spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    return busy
+    return busy_and_gaps(spans)[0]
+
+
+def busy_and_gaps(spans) -> tuple[float, list[tuple[float, float, int]]]:
+    """For ``(start, stop)`` intervals sorted by start: the length of their union, and the gaps between them as
+    ``(gap start, gap end, index of the interval that ends it)``."""
+    busy, gaps = 0.0, []
+    end = spans[0][0] if spans else 0.0
+    for i, (start, stop) in enumerate(spans):
+        if start > end:
+            gaps.append((end, start, i))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy, gaps
 
 
 @contextlib.contextmanager
