@@ -199,26 +199,30 @@ def family(name: str, packed: bool = True) -> tuple[tuple[str, ...], int]:
     return (*overrides, f"trainer.train_iters={ITERS}", packing), nproc
 
 
-def steps_in_process(overrides, steps: int, inspect=None) -> list[dict]:
-    """Set up the default recipe with ``overrides`` in this process (the GPU tests: the device's own run, no
-    subprocess) and train ``steps`` steps; each step's scalars by name (``loss``, ``grad_norm``, ...). ``inspect``
-    is called with the set-up run before the first step."""
+@contextlib.contextmanager
+def run_in_process(overrides):
+    """The default recipe with ``overrides`` set up in this process (the GPU tests: the device's own run, no
+    subprocess): yields the set-up run, shuts its process groups down after."""
     from hydra import compose, initialize_config_dir
 
-    from thdpack.training.deferred import DeferredScalars
-    from thdpack.training.loop import (
-        STEP_SCALARS,
-        _shutdown,
-        recipes_dir,
-        setup_run,
-        step_scalars,
-        train_step,
-    )
+    from thdpack.training.loop import _shutdown, recipes_dir, setup_run
 
     os.environ.pop("MASTER_PORT", None)
     with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
-        run = setup_run(compose("train", overrides=[f"trainer.train_iters={steps}", *overrides]))
+        run = setup_run(compose("train", overrides=list(overrides)))
     try:
+        yield run
+    finally:
+        _shutdown()
+
+
+def steps_in_process(overrides, steps: int, inspect=None) -> list[dict]:
+    """Train ``steps`` steps of :func:`run_in_process`'s run; each step's scalars by name (``loss``,
+    ``grad_norm``, ...). ``inspect`` is called with the set-up run before the first step."""
+    from thdpack.training.deferred import DeferredScalars
+    from thdpack.training.loop import STEP_SCALARS, step_scalars, train_step
+
+    with run_in_process([f"trainer.train_iters={steps}", *overrides]) as run:
         if inspect is not None:
             inspect(run)
         scalars = DeferredScalars(run.runtime.device, lag=0)
@@ -226,5 +230,3 @@ def steps_in_process(overrides, steps: int, inspect=None) -> list[dict]:
             reports, outcome = train_step(run, run.data.next_step())
             scalars.push(step, step_scalars(reports, outcome, True, run.step.loss))
         return [dict(zip(STEP_SCALARS, values, strict=True)) for _, values, _ in scalars.drain()]
-    finally:
-        _shutdown()

@@ -2,19 +2,60 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .runtime import Runtime
 
-__all__ = ["wrap_model"]
+__all__ = ["fuse_te_wgrad_accumulation", "te_wgrad_fusion", "wrap_model"]
 
 
-def wrap_model(module, config, runtime: Runtime, grad_reduce_in_fp32: bool = True):
+def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
+    """Whether Transformer Engine's layers accumulate weight gradients into Megatron's fp32 gradient buffer inside
+    their weight-gradient GEMMs (:func:`fuse_te_wgrad_accumulation`): on a GPU with the TE backend, unless the recipe
+    sets megatron-core's own ``model.config.gradient_accumulation_fusion`` (``false`` turns it off, ``true`` leaves
+    it to megatron-core, which then needs Apex for its output layer)."""
+    own = (model_cfg.get("config") or {}).get("gradient_accumulation_fusion")
+    return runtime.device == "cuda" and runtime.backend == "te" and own is None
+
+
+def fuse_te_wgrad_accumulation(module) -> int:
+    """Make every Transformer Engine layer of ``module`` add its weight gradient into the parameter's ``main_grad``
+    (Megatron's fp32 gradient buffer) inside the weight-gradient GEMM, where it would otherwise return a bf16
+    gradient that Megatron's backward hook converts and adds in separate kernels. Returns how many layers it
+    switched.
+
+    This is what ``TransformerConfig.gradient_accumulation_fusion`` does for TE layers (they read their
+    ``fuse_wgrad_accumulation`` at every forward, and megatron-core's fused MLP reads its linear layers' flag when it
+    builds its TE operations at the first forward); megatron-core ties that flag to Apex's
+    ``fused_weight_gradient_mlp_cuda``, which only its own ``ColumnParallelLinear`` needs, so without Apex the TE
+    layers would lose it too. Call it before the first forward.
+
+    Grouped experts (TE's ``GroupedLinear``) keep the unfused path: no test isolates their gradients (routing
+    differs from run to run on the tiny models)."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
+
+    switched = 0
+    for layer in module.modules():
+        if isinstance(layer, GroupedLinear):
+            continue
+        if isinstance(layer, TransformerEngineBaseModule) and hasattr(layer, "fuse_wgrad_accumulation"):
+            switched += not layer.fuse_wgrad_accumulation
+            layer.fuse_wgrad_accumulation = True
+    return switched
+
+
+def wrap_model(module, config, runtime: Runtime, grad_reduce_in_fp32: bool = True, fuse_wgrad: bool = False):
     """``module`` (this rank's stage of the model) on the runtime's device, in bf16 through Megatron's
     ``Float16Module`` when ``runtime.precision`` says so, inside Megatron's ``DistributedDataParallel`` with fp32
-    gradient buffers, sharded for the distributed optimizer."""
+    gradient buffers, sharded for the distributed optimizer. ``fuse_wgrad``: :func:`fuse_te_wgrad_accumulation`
+    (decided by :func:`te_wgrad_fusion`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if fuse_wgrad:
+        fuse_te_wgrad_accumulation(module)
     if runtime.device == "cuda":
         module.cuda(torch.cuda.current_device())
     if runtime.bf16:

@@ -134,7 +134,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.checkpoint import resume_vocab_size
     from thdpack.megatron.config import padded_vocab_size, transformer_config
     from thdpack.megatron.device_step import OptimizerStep
-    from thdpack.megatron.distributed import wrap_model
+    from thdpack.megatron.distributed import te_wgrad_fusion, wrap_model
     from thdpack.megatron.families import get_family
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.optimizer import build_optimizer
@@ -204,7 +204,9 @@ def setup_run(cfg: DictConfig) -> Run:
         cfg.checkpoint.dir, vocab_size, tp, cfg.model.get("vocab_size") is not None
     )
     module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
-    model = wrap_model(module, config, runtime, ddp_grad_reduce_in_fp32(trainer))
+    model = wrap_model(
+        module, config, runtime, ddp_grad_reduce_in_fp32(trainer), te_wgrad_fusion(cfg.model, runtime)
+    )
     optimizer, scheduler = build_optimizer(trainer, model, config)
     optimizer_step = OptimizerStep(optimizer, runtime.device)
     if runtime.device == "cuda" and optimizer_step.host_read_reason:
