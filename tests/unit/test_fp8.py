@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thdpack.megatron.fp8 import check_fp8, fp8_config
+from thdpack.megatron.fp8 import check_fp8, check_fp8_attention, fp8_config
 from thdpack.packing import Alignment, cp_partition_indices, pack_bshd
 
 
@@ -39,6 +39,20 @@ def test_delayed_scaling_is_the_default_with_transformer_engines_amax_history_of
 def test_an_fp8_recipe_that_cannot_run_is_refused_naming_the_key(trainer, device, backend, message):
     with pytest.raises(ValueError, match=message):
         check_fp8(trainer, device, backend)
+
+
+def test_fp8_attention_on_packed_rows_is_refused_below_the_cudnn_transformer_engine_needs():
+    fp8_attention = {"fp8_dot_product_attention": True}
+    # Transformer Engine 2.20.2 with cuDNN 9.14 on an H100 left no attention backend for this (measured)
+    with pytest.raises(
+        ValueError, match=r"model.config.fp8_dot_product_attention=true .* cuDNN 9.23.0 .* 9.14.0"
+    ):
+        check_fp8_attention(fp8_attention, True, (9, 14, 0))
+    check_fp8_attention(fp8_attention, True, (9, 23, 0))
+    check_fp8_attention(fp8_attention, False, (9, 14, 0))  # padded rows (BSHD): not this rule
+    check_fp8_attention({}, True, (9, 14, 0))
+    check_fp8_attention(None, True, (9, 14, 0))
+    check_fp8_attention(fp8_attention, True, None)  # no CUDA: the device check refuses FP8 first
 
 
 @pytest.mark.parametrize(

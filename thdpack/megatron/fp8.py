@@ -12,6 +12,8 @@ MXFP8); the packer pads each packed row for it after context and sequence parall
 (``thdpack.packing.layout.Alignment.total_multiple``).
 
 Recipe keys: ``trainer.precision: fp8`` and ``trainer.fp8_recipe`` (delayed | tensorwise | blockwise | mxfp8).
+Attention stays bf16 unless the recipe sets megatron-core's ``model.config.fp8_dot_product_attention``; on packed
+(THD) rows Transformer Engine 2.20 runs FP8 attention only with cuDNN 9.23 or newer (:func:`check_fp8_attention`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
-__all__ = ["FP8_RECIPES", "check_fp8", "fp8_config"]
+__all__ = ["FP8_RECIPES", "check_fp8", "check_fp8_attention", "fp8_config"]
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -65,3 +67,33 @@ def check_fp8(trainer: Mapping, device: str, backend: str) -> None:
             f"trainer.fp8_recipe=mxfp8 needs a Blackwell GPU (sm_100); this one is sm_{major}{minor}: use tensorwise, "
             "delayed or blockwise"
         )
+
+
+# Transformer Engine 2.20's rule for FP8 fused attention on THD (packed) rows; below it no attention backend is left.
+FP8_THD_ATTENTION_CUDNN = (9, 23, 0)
+
+
+def check_fp8_attention(
+    model_config: Mapping, packed: bool, cudnn_version: tuple[int, int, int] | None
+) -> None:
+    """Refuse, naming the key, ``model.config.fp8_dot_product_attention`` on packed rows with a cuDNN older than
+    Transformer Engine needs for FP8 attention in the THD layout (``cudnn_version``: this host's, None off CUDA)."""
+    if not (model_config or {}).get("fp8_dot_product_attention") or not packed or cudnn_version is None:
+        return
+    if tuple(cudnn_version) < FP8_THD_ATTENTION_CUDNN:
+        need = ".".join(map(str, FP8_THD_ATTENTION_CUDNN))
+        have = ".".join(map(str, cudnn_version))
+        raise ValueError(
+            f"model.config.fp8_dot_product_attention=true on packed sequences (THD) needs cuDNN {need} or newer for "
+            f"Transformer Engine's FP8 attention; this host has cuDNN {have}: leave attention in bf16 (drop the key)"
+        )
+
+
+def cudnn_version() -> tuple[int, int, int] | None:
+    """This process's cuDNN as (major, minor, patch), None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.backends.cudnn.is_available():
+        return None
+    version = int(torch.backends.cudnn.version())
+    return version // 10000, version // 100 % 100, version % 100
