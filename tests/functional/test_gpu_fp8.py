@@ -3,24 +3,13 @@ bf16's on the same seed and samples."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from .gpu import FP8_CORES, WITH_TE
 from .training import steps_in_process
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-        reason="needs FP8 tensor cores",
-    ),
-]
+pytestmark = [*WITH_TE, FP8_CORES]
 
 
 def _losses(precision: list[str], steps: int = 4) -> list[float]:

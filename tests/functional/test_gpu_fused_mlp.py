@@ -4,24 +4,12 @@ gradient norms, in bf16 (also with MRoPE, the vision-language models' language m
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-import torch
 
+from .gpu import FP8_CORES, WITH_TE
 from .training import steps_in_process
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-]
-
-FP8 = pytest.mark.skipif(
-    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
-)
+pytestmark = WITH_TE
 
 
 def _steps(fused: bool, extra: list[str]) -> tuple[list[dict], dict]:
@@ -44,7 +32,7 @@ def _steps(fused: bool, extra: list[str]) -> tuple[list[dict], dict]:
         pytest.param(["trainer.precision=bf16"], (2e-3, 2e-2), id="bf16"),
         pytest.param(["model=tiny_mrope", "trainer.precision=bf16"], (2e-3, 2e-2), id="bf16_mrope"),
         pytest.param(
-            ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"], (2e-2, 1e-1), id="fp8", marks=FP8
+            ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"], (2e-2, 1e-1), id="fp8", marks=FP8_CORES
         ),
     ],
 )

@@ -4,23 +4,15 @@ shapes: ``python benchmarks/hf_finetune.py --out benchmarks/results``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+from .gpu import WITH_TE
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-]
+pytestmark = WITH_TE
 
 REPO = Path(__file__).resolve().parents[2]
 

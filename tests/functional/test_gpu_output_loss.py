@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from .gpu import ON_GPU
 from .training import steps_in_process
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = ON_GPU
 
 IMPLS = [
     pytest.param("chunked", True, id="chunked_compiled"),

@@ -8,22 +8,15 @@ loss difference from the uninterrupted run is printed (``-s``) and held to GPU_R
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import pytest
 import torch
 
+from .gpu import WITH_TE
 from .training import FAMILIES, ITERS, family, run_train
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.functional,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-]
+pytestmark = [*WITH_TE, pytest.mark.functional]
 
 GPU_RTOL = 2e-2
 CHANGES = {  # name: (saved family, resumed family, resumed ranks)

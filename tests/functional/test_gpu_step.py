@@ -11,19 +11,14 @@ steps run under ``torch.cuda.set_sync_debug_mode("error")``: any sync raises. (T
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-]
+from .gpu import WITH_TE
+
+pytestmark = WITH_TE
 
 
 def _run(model: str, extra: list[str]):

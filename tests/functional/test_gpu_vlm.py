@@ -4,22 +4,16 @@ on the same image chat length mix (benchmarks/vlm_gpu.py, which writes the JSON/
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-]
+from .gpu import WITH_TE
+
+pytestmark = WITH_TE
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,24 +6,14 @@ FP8 (whose first micro-batch overwrites the buffer)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from .gpu import FP8_CORES, WITH_TE
 from .training import run_in_process
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
-    ),
-]
+pytestmark = WITH_TE
 
-FP8 = pytest.mark.skipif(
-    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
-)
 
 UNFUSED = "+model.config.gradient_accumulation_fusion=false"
 
@@ -62,7 +52,9 @@ def _step_gradients(extra: list[str]) -> tuple[dict[str, torch.Tensor], list[boo
     [
         pytest.param(["trainer.precision=bf16", "model.te_op_fuser=false"], 1e-2, id="bf16"),
         pytest.param(["trainer.precision=bf16", "model.te_op_fuser=true"], 1e-2, id="bf16_fused_mlp"),
-        pytest.param(["trainer.precision=fp8", "trainer.fp8_recipe=delayed"], 3e-2, id="fp8", marks=FP8),
+        pytest.param(
+            ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"], 3e-2, id="fp8", marks=FP8_CORES
+        ),
     ],
 )
 def test_weight_gradients_accumulated_inside_the_gemm_equal_the_unfused_ones(extra, tolerance):
