@@ -47,12 +47,15 @@ def test_fp8_attention_on_packed_rows_is_refused_below_the_cudnn_transformer_eng
     with pytest.raises(
         ValueError, match=r"model.config.fp8_dot_product_attention=true .* cuDNN 9.23.0 .* 9.14.0"
     ):
-        check_fp8_attention(fp8_attention, True, (9, 14, 0))
-    check_fp8_attention(fp8_attention, True, (9, 23, 0))
-    check_fp8_attention(fp8_attention, False, (9, 14, 0))  # padded rows (BSHD): not this rule
-    check_fp8_attention({}, True, (9, 14, 0))
-    check_fp8_attention(None, True, (9, 14, 0))
-    check_fp8_attention(fp8_attention, True, None)  # no CUDA: the device check refuses FP8 first
+        check_fp8_attention(fp8_attention, "fp8", True, (9, 14, 0))
+    with pytest.raises(ValueError, match="fp8_dot_product_attention"):  # megatron-core's own fp8 key
+        check_fp8_attention({**fp8_attention, "fp8": "hybrid"}, "bf16", True, (9, 14, 0))
+    check_fp8_attention(fp8_attention, "fp8", True, (9, 23, 0))
+    check_fp8_attention(fp8_attention, "bf16", True, (9, 14, 0))  # no FP8: the key does nothing
+    check_fp8_attention(fp8_attention, "fp8", False, (9, 14, 0))  # padded rows (BSHD): not this rule
+    check_fp8_attention({}, "fp8", True, (9, 14, 0))
+    check_fp8_attention(None, "fp8", True, (9, 14, 0))
+    check_fp8_attention(fp8_attention, "fp8", True, None)  # no CUDA: the device check refuses FP8 first
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ __all__ = ["fuse_te_wgrad_accumulation", "te_wgrad_fusion", "wrap_model"]
 
 
 def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
-    """Whether Transformer Engine's layers accumulate weight gradients into Megatron's fp32 gradient buffer inside
-    their weight-gradient GEMMs (:func:`fuse_te_wgrad_accumulation`): on a GPU with the TE backend, unless the recipe
+    """Whether Transformer Engine's layers accumulate weight gradients into Megatron's gradient buffer inside their
+    weight-gradient GEMMs (:func:`fuse_te_wgrad_accumulation`): on a GPU with the TE backend, unless the recipe
     sets megatron-core's own ``model.config.gradient_accumulation_fusion`` (``false`` turns it off, ``true`` leaves
     it to megatron-core, which then needs Apex for its output layer)."""
     own = (model_cfg.get("config") or {}).get("gradient_accumulation_fusion")
@@ -22,8 +22,8 @@ def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
 
 def fuse_te_wgrad_accumulation(module) -> int:
     """Make every Transformer Engine layer of ``module`` add its weight gradient into the parameter's ``main_grad``
-    (Megatron's fp32 gradient buffer) inside the weight-gradient GEMM, where it would otherwise return a bf16
-    gradient that Megatron's backward hook converts and adds in separate kernels. Returns how many layers it
+    (Megatron's gradient buffer: fp32 unless ``trainer.main_grads_dtype=bf16``) inside the weight-gradient GEMM, where
+    it would otherwise return a bf16 gradient that Megatron's backward hook converts and adds in separate kernels. Returns how many layers it
     switched.
 
     This is what ``TransformerConfig.gradient_accumulation_fusion`` does for TE layers (they read their
@@ -32,8 +32,8 @@ def fuse_te_wgrad_accumulation(module) -> int:
     ``fused_weight_gradient_mlp_cuda``, which only its own ``ColumnParallelLinear`` needs, so without Apex the TE
     layers would lose it too. Call it before the first forward.
 
-    Grouped experts (TE's ``GroupedLinear``) keep the unfused path: no test isolates their gradients (routing
-    differs from run to run on the tiny models)."""
+    Grouped experts (TE's ``GroupedLinear``) keep the unfused path: no test isolates their gradients (two runs of
+    the tiny MoE model route differently on a GPU, though not on CPU)."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
     from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 

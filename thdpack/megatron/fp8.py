@@ -74,11 +74,14 @@ FP8_THD_ATTENTION_CUDNN = (9, 23, 0)
 
 
 def check_fp8_attention(
-    model_config: Mapping, packed: bool, cudnn_version: tuple[int, int, int] | None
+    model_config: Mapping, precision: str, packed: bool, cudnn_version: tuple[int, int, int] | None
 ) -> None:
-    """Refuse, naming the key, ``model.config.fp8_dot_product_attention`` on packed rows with a cuDNN older than
-    Transformer Engine needs for FP8 attention in the THD layout (``cudnn_version``: this host's, None off CUDA)."""
-    if not (model_config or {}).get("fp8_dot_product_attention") or not packed or cudnn_version is None:
+    """Refuse, naming the key, ``model.config.fp8_dot_product_attention`` in an FP8 run (``trainer.precision``) on
+    packed rows with a cuDNN older than Transformer Engine needs for FP8 attention in the THD layout
+    (``cudnn_version``: this host's, None off CUDA)."""
+    model_config = model_config or {}
+    fp8 = precision == "fp8" or model_config.get("fp8") is not None
+    if not (fp8 and model_config.get("fp8_dot_product_attention") and packed and cudnn_version is not None):
         return
     if tuple(cudnn_version) < FP8_THD_ATTENTION_CUDNN:
         need = ".".join(map(str, FP8_THD_ATTENTION_CUDNN))

@@ -163,7 +163,7 @@ def check_recipe(
         check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
         check_fp8(cfg["trainer"], device, backend)
         if device == "cuda":
-            check_fp8_attention(config, packed, cudnn_version())
+            check_fp8_attention(config, cfg["trainer"]["precision"], packed, cudnn_version())
         warnings += check_te_op_fuser(model, cfg["trainer"], backend)
     except ValueError as error:
         raise ConfigError(str(error)) from None
