@@ -108,7 +108,8 @@ def text(report: Mapping) -> str:
     lines = [
         f"{report['device']}, {report['setup']}",
         f"{report['setup']['steps']} steps: wall {report['wall_ms']:.0f} ms, GPU span {a['gpu_span_ms']:.0f} ms, "
-        f"busy {a['gpu_busy_ms']:.0f} ms ({(a['busy_share'] or 0):.1%}), idle {a['idle_ms']:.0f} ms in {a['gaps']} gaps",
+        f"busy {a['gpu_busy_ms']:.0f} ms ({(a['busy_share'] or 0):.1%}), "
+        f"idle {a['idle_ms']:.0f} ms in {a['gaps']} gaps",
         "",
         "idle by the host operator at the gap's start (ms):",
         *(f"  {ms:9.2f}  {op}" for op, ms in a["idle_by_host_op_ms"].items()),

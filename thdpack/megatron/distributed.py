@@ -20,11 +20,11 @@ def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
     return runtime.device == "cuda" and runtime.backend == "te" and own is None
 
 
-def fuse_te_wgrad_accumulation(module) -> int:
+def fuse_te_wgrad_accumulation(module) -> None:
     """Make every Transformer Engine layer of ``module`` add its weight gradient into the parameter's ``main_grad``
-    (Megatron's gradient buffer: fp32 unless ``trainer.main_grads_dtype=bf16``) inside the weight-gradient GEMM, where
-    it would otherwise return a bf16 gradient that Megatron's backward hook converts and adds in separate kernels. Returns how many layers it
-    switched.
+    (Megatron's gradient buffer: fp32 unless ``trainer.main_grads_dtype=bf16``) inside the weight-gradient GEMM,
+    where it would otherwise return a bf16 gradient that Megatron's backward hook converts and adds in separate
+    kernels.
 
     This is what ``TransformerConfig.gradient_accumulation_fusion`` does for TE layers (they read their
     ``fuse_wgrad_accumulation`` at every forward, and megatron-core's fused MLP reads its linear layers' flag when it
@@ -37,14 +37,10 @@ def fuse_te_wgrad_accumulation(module) -> int:
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
     from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 
-    switched = 0
     for layer in module.modules():
-        if isinstance(layer, GroupedLinear):
-            continue
-        if isinstance(layer, TransformerEngineBaseModule) and hasattr(layer, "fuse_wgrad_accumulation"):
-            switched += not layer.fuse_wgrad_accumulation
+        te_layer = isinstance(layer, TransformerEngineBaseModule) and not isinstance(layer, GroupedLinear)
+        if te_layer and hasattr(layer, "fuse_wgrad_accumulation"):
             layer.fuse_wgrad_accumulation = True
-    return switched
 
 
 def wrap_model(module, config, runtime: Runtime, grad_reduce_in_fp32: bool = True, fuse_wgrad: bool = False):

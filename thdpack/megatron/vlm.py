@@ -217,8 +217,8 @@ def build_language_model(
 ):
     """This rank's ``GPTModel`` chunk of a vision-language model's language model (MRoPE, packed), random weights:
     the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``, ``te_op_fuser``) and
-    Megatron's config; ``mrope_interleaved``: Qwen3-VL's MRoPE frequency layout. The family that builds the whole model loads the
-    checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
+    Megatron's config; ``mrope_interleaved``: Qwen3-VL's MRoPE frequency layout. The family that builds the whole
+    model loads the checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
     from .models import build_gpt_model
 
     return build_gpt_model(
