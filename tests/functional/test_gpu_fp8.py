@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from thdpack.megatron import fp8
+
 from .gpu import FP8_CORES, WITH_TE
 from .training import steps_in_process
 
@@ -27,3 +29,25 @@ def test_a_packed_fp8_step_runs_and_its_loss_is_close_to_bf16s(recipe):
     assert all(torch.isfinite(torch.tensor(fp8)))
     assert fp8[0] == pytest.approx(bf16[0], rel=2e-2)
     assert fp8[-1] == pytest.approx(bf16[-1], rel=5e-2)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and (fp8.cudnn_version() or (0, 0, 0)) < fp8.FP8_THD_ATTENTION_CUDNN,
+    reason="FP8 attention on packed rows needs cuDNN 9.23 or newer",
+)
+def test_fp8_attention_on_packed_rows_trains_close_to_bf16():
+    def fp8_attention(run) -> None:
+        assert run.config.fp8 and run.config.fp8_dot_product_attention
+
+    bf16 = _losses(["trainer.precision=bf16"])
+    overrides = [
+        "dataset.seq_length=512",
+        "dataset.max_files=40",
+        "trainer.precision=fp8",
+        "trainer.fp8_recipe=delayed",
+    ]
+    overrides.append("+model.config.fp8_dot_product_attention=true")
+    fp8_losses = [step["loss"] for step in steps_in_process(overrides, 4, inspect=fp8_attention)]
+    assert all(torch.isfinite(torch.tensor(fp8_losses)))
+    assert fp8_losses[0] == pytest.approx(bf16[0], rel=2e-2)
+    assert fp8_losses[-1] == pytest.approx(bf16[-1], rel=5e-2)
