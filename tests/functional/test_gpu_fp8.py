@@ -32,8 +32,12 @@ def test_a_packed_fp8_step_runs_and_its_loss_is_close_to_bf16s(recipe):
 
 
 @pytest.mark.skipif(
-    torch.cuda.is_available() and (fp8.cudnn_version() or (0, 0, 0)) < fp8.FP8_THD_ATTENTION_CUDNN,
-    reason="FP8 attention on packed rows needs cuDNN 9.23 or newer",
+    torch.cuda.is_available()
+    and (
+        torch.cuda.get_device_capability() < fp8.FP8_THD_ATTENTION_CAPABILITY
+        or (fp8.cudnn_version() or (0, 0, 0)) < fp8.FP8_THD_ATTENTION_CUDNN
+    ),
+    reason="Transformer Engine trains FP8 attention on packed rows on Blackwell with cuDNN 9.23 or newer only",
 )
 def test_fp8_attention_on_packed_rows_trains_close_to_bf16():
     def fp8_attention(run) -> None:

@@ -41,21 +41,27 @@ def test_an_fp8_recipe_that_cannot_run_is_refused_naming_the_key(trainer, device
         check_fp8(trainer, device, backend)
 
 
-def test_fp8_attention_on_packed_rows_is_refused_below_the_cudnn_transformer_engine_needs():
+def test_fp8_attention_on_packed_rows_is_refused_where_transformer_engine_cannot_train_it():
     fp8_attention = {"fp8_dot_product_attention": True}
-    # Transformer Engine 2.20.2 with cuDNN 9.14 on an H100 left no attention backend for this (measured)
+    hopper, blackwell = (9, 0), (10, 0)
+    # Transformer Engine 2.20.2 on an H100 left no attention backend for it, with cuDNN 9.14 and with 9.23 (measured)
+    for cudnn in ((9, 14, 0), (9, 23, 0)):
+        with pytest.raises(
+            ValueError, match=r"model.config.fp8_dot_product_attention=true .*sm_100.*this GPU is sm_90"
+        ):
+            check_fp8_attention(fp8_attention, "fp8", True, hopper, cudnn)
     with pytest.raises(
         ValueError, match=r"model.config.fp8_dot_product_attention=true .* cuDNN 9.23.0 .* 9.14.0"
     ):
-        check_fp8_attention(fp8_attention, "fp8", True, (9, 14, 0))
+        check_fp8_attention(fp8_attention, "fp8", True, blackwell, (9, 14, 0))
     with pytest.raises(ValueError, match="fp8_dot_product_attention"):  # megatron-core's own fp8 key
-        check_fp8_attention({**fp8_attention, "fp8": "hybrid"}, "bf16", True, (9, 14, 0))
-    check_fp8_attention(fp8_attention, "fp8", True, (9, 23, 0))
-    check_fp8_attention(fp8_attention, "bf16", True, (9, 14, 0))  # no FP8: the key does nothing
-    check_fp8_attention(fp8_attention, "fp8", False, (9, 14, 0))  # padded rows (BSHD): not this rule
-    check_fp8_attention({}, "fp8", True, (9, 14, 0))
-    check_fp8_attention(None, "fp8", True, (9, 14, 0))
-    check_fp8_attention(fp8_attention, "fp8", True, None)  # no CUDA: the device check refuses FP8 first
+        check_fp8_attention({**fp8_attention, "fp8": "hybrid"}, "bf16", True, hopper, (9, 23, 0))
+    check_fp8_attention(fp8_attention, "fp8", True, blackwell, (9, 23, 0))
+    # the rule does not apply (and the host is not asked): no FP8, padded rows (BSHD), the key not set
+    check_fp8_attention(fp8_attention, "bf16", True)
+    check_fp8_attention(fp8_attention, "fp8", False)
+    check_fp8_attention({}, "fp8", True)
+    check_fp8_attention(None, "fp8", True)
 
 
 @pytest.mark.parametrize(

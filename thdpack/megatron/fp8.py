@@ -13,7 +13,8 @@ MXFP8); the packer pads each packed row for it after context and sequence parall
 
 Recipe keys: ``trainer.precision: fp8`` and ``trainer.fp8_recipe`` (delayed | tensorwise | blockwise | mxfp8).
 Attention stays bf16 unless the recipe sets megatron-core's ``model.config.fp8_dot_product_attention``; on packed
-(THD) rows Transformer Engine 2.20 runs FP8 attention only with cuDNN 9.23 or newer (:func:`check_fp8_attention`).
+(THD) rows Transformer Engine 2.20 trains FP8 attention only on Blackwell with cuDNN 9.23 or newer
+(:func:`check_fp8_attention`).
 """
 
 from __future__ import annotations
@@ -69,34 +70,52 @@ def check_fp8(trainer: Mapping, device: str, backend: str) -> None:
         )
 
 
-# Transformer Engine 2.20's rule for FP8 fused attention on THD (packed) rows; below it no attention backend is left.
+# Transformer Engine 2.20's rules for FP8 fused attention on THD (packed) rows in training: its backward runs on
+# Blackwell (sm_100) and newer only, and needs cuDNN 9.23 or newer; elsewhere no attention backend is left.
+FP8_THD_ATTENTION_CAPABILITY = (10, 0)
 FP8_THD_ATTENTION_CUDNN = (9, 23, 0)
 
 
 def check_fp8_attention(
-    model_config: Mapping, precision: str, packed: bool, cudnn_version: tuple[int, int, int] | None
+    model_config: Mapping | None,
+    precision: str,
+    packed: bool,
+    capability: tuple[int, int] | None = None,
+    cudnn: tuple[int, int, int] | None = None,
 ) -> None:
     """Refuse, naming the key, ``model.config.fp8_dot_product_attention`` in an FP8 run (``trainer.precision``) on
-    packed rows with a cuDNN older than Transformer Engine needs for FP8 attention in the THD layout
-    (``cudnn_version``: this host's, None off CUDA)."""
+    packed rows where Transformer Engine has no FP8 attention for the THD layout: a GPU older than Blackwell, or a
+    cuDNN older than 9.23. ``capability`` and ``cudnn`` default to this host's (read only when the rule applies)."""
     model_config = model_config or {}
     fp8 = precision == "fp8" or model_config.get("fp8") is not None
-    if not (fp8 and model_config.get("fp8_dot_product_attention") and packed and cudnn_version is not None):
+    if not (fp8 and model_config.get("fp8_dot_product_attention") and packed):
         return
-    if tuple(cudnn_version) < FP8_THD_ATTENTION_CUDNN:
+    if capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    if tuple(capability) < FP8_THD_ATTENTION_CAPABILITY:
+        raise ValueError(
+            "model.config.fp8_dot_product_attention=true on packed sequences (THD) needs a Blackwell GPU (sm_100 or "
+            "newer): Transformer Engine runs FP8 attention's backward on THD rows there only; this GPU is "
+            f"sm_{capability[0]}{capability[1]}: leave attention in bf16 (drop the key)"
+        )
+    cudnn = cudnn or cudnn_version()
+    if cudnn is not None and tuple(cudnn) < FP8_THD_ATTENTION_CUDNN:
         need = ".".join(map(str, FP8_THD_ATTENTION_CUDNN))
-        have = ".".join(map(str, cudnn_version))
         raise ValueError(
             f"model.config.fp8_dot_product_attention=true on packed sequences (THD) needs cuDNN {need} or newer for "
-            f"Transformer Engine's FP8 attention; this host has cuDNN {have}: leave attention in bf16 (drop the key)"
+            f"Transformer Engine's FP8 attention; it runs on cuDNN {'.'.join(map(str, cudnn))}: upgrade "
+            "nvidia-cudnn-cu12/cu13, or leave attention in bf16 (drop the key)"
         )
 
 
 def cudnn_version() -> tuple[int, int, int] | None:
-    """This process's cuDNN as (major, minor, patch), None without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available() or not torch.backends.cudnn.is_available():
+    """The cuDNN that Transformer Engine's attention runs on, as (major, minor, patch); None without Transformer
+    Engine. (It can differ from torch's: TE loads the first cuDNN it finds, CUDNN_HOME's or CUDA's before the
+    Python package's.)"""
+    if importlib.util.find_spec("transformer_engine") is None:
         return None
-    version = int(torch.backends.cudnn.version())
-    return version // 10000, version // 100 % 100, version % 100
+    from transformer_engine.pytorch.utils import get_cudnn_version
+
+    return tuple(get_cudnn_version())

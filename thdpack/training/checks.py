@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
 from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
-from thdpack.megatron.fp8 import check_fp8, check_fp8_attention, cudnn_version
+from thdpack.megatron.fp8 import check_fp8, check_fp8_attention
 from thdpack.megatron.fused_mlp import check_te_op_fuser
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
@@ -163,7 +163,7 @@ def check_recipe(
         check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
         check_fp8(cfg["trainer"], device, backend)
         if device == "cuda":
-            check_fp8_attention(config, cfg["trainer"]["precision"], packed, cudnn_version())
+            check_fp8_attention(config, cfg["trainer"]["precision"], packed)
         warnings += check_te_op_fuser(model, cfg["trainer"], backend)
     except ValueError as error:
         raise ConfigError(str(error)) from None
