@@ -105,15 +105,16 @@ def check_fp8_attention(
         need = ".".join(map(str, FP8_THD_ATTENTION_CUDNN))
         raise ValueError(
             f"model.config.fp8_dot_product_attention=true on packed sequences (THD) needs cuDNN {need} or newer for "
-            f"Transformer Engine's FP8 attention; it runs on cuDNN {'.'.join(map(str, cudnn))}: upgrade "
-            "nvidia-cudnn-cu12/cu13, or leave attention in bf16 (drop the key)"
+            f"Transformer Engine's FP8 attention; it loaded cuDNN {'.'.join(map(str, cudnn))} (CUDNN_HOME's, "
+            "CUDA's or the system's before the Python package's): point CUDNN_HOME at a newer one, or leave "
+            "attention in bf16 (drop the key)"
         )
 
 
 def cudnn_version() -> tuple[int, int, int] | None:
     """The cuDNN that Transformer Engine's attention runs on, as (major, minor, patch); None without Transformer
-    Engine. (It can differ from torch's: TE loads the first cuDNN it finds, CUDNN_HOME's or CUDA's before the
-    Python package's.)"""
+    Engine. It can differ from torch's: TE loads CUDNN_HOME's, CUDA's or the system's cuDNN before the Python
+    package's."""
     if importlib.util.find_spec("transformer_engine") is None:
         return None
     from transformer_engine.pytorch.utils import get_cudnn_version
