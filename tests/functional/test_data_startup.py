@@ -69,8 +69,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, Run]]:
 
 def test_bad_jsonl_lines_stop_the_start_naming_each_line(runs):
     path, result = runs["bad_lines"]
-    assert result.returncode != 0
-    assert f"{path}: 2 bad line(s) of 6" in result.output
+    assert result.returncode == 2  # the message alone, no traceback
+    assert f"thdpack: {path}: 2 bad line(s) of 6" in result.output
+    assert "Traceback" not in result.output
     assert (
         f"{path}:4: malformed JSON" in result.output and f"{path}:5: 'response' is missing" in result.output
     )

@@ -93,11 +93,12 @@ def test_a_run_writes_metrics_summary_curves_and_tensorboard(trained):
 
 def test_a_bad_recipe_fails_fast_with_the_checks_message(trained):
     result = trained(*BAD_RECIPE)
-    assert result.returncode != 0
+    assert result.returncode == 2  # the message alone, no traceback
     assert (
-        "trainer.lr_warmup_iters (6) must be below the decay iterations (6: trainer.lr_decay_iters"
+        "thdpack: trainer.lr_warmup_iters (6) must be below the decay iterations (6: trainer.lr_decay_iters"
         in result.output
     )
+    assert "Traceback" not in result.output
     assert "data: " not in result.output
     assert not (result.run_dir / "metrics.jsonl").exists()
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_recipe
+from .config_error import ConfigError
 from .deferred import DeferredScalars
 from .flops import FlopsModel
 from .metrics import MetricsWriter, memory_summary, summarize
@@ -93,9 +94,14 @@ OmegaConf.register_new_resolver("thdpack_run_stamp", lambda: run_stamp(), use_ca
 
 @hydra.main(config_path=str(recipes_dir()), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    """Train; a recipe that cannot run prints its message (naming the key) and exits with code 2, no traceback."""
     from hydra.core.hydra_config import HydraConfig
 
-    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as error:
+        print(f"thdpack: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 @dataclass
@@ -169,29 +175,36 @@ def setup_run(cfg: DictConfig) -> Run:
         log.setLevel(logging.WARNING)
 
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
-    # an image chat dataset's tokenizer is the vision-language checkpoint's processor
-    tokenizer = dataset_processor(data_cfg.name, data_cfg.get("tokenizer"), cfg.model) or resolve_tokenizer(
-        data_cfg.get("tokenizer", "auto"), cfg.model.get("pretrained"), data_cfg.get("chat_template_kwargs")
-    )
-    dataset = build_dataset(
-        data_cfg.name,
-        data_cfg.get("path"),
-        tokenizer,
-        max_files=data_cfg.get("max_files"),
-        synthetic=data_cfg.get("synthetic"),
-        validate=data_cfg.get("validate", "auto"),
-        vlm=data_cfg.get("vlm"),
-    )
-    eval_interval = trainer.get("eval_interval")
-    dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
-    budget = data_cfg.micro_batch_tokens
-    data_kwargs = dict(
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        seed=int(trainer.seed),
-        tokenizer=tokenizer,
-    )
-    data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
+    try:  # the data's checks name the file, the line and the rule
+        # an image chat dataset's tokenizer is the vision-language checkpoint's processor
+        tokenizer = dataset_processor(
+            data_cfg.name, data_cfg.get("tokenizer"), cfg.model
+        ) or resolve_tokenizer(
+            data_cfg.get("tokenizer", "auto"),
+            cfg.model.get("pretrained"),
+            data_cfg.get("chat_template_kwargs"),
+        )
+        dataset = build_dataset(
+            data_cfg.name,
+            data_cfg.get("path"),
+            tokenizer,
+            max_files=data_cfg.get("max_files"),
+            synthetic=data_cfg.get("synthetic"),
+            validate=data_cfg.get("validate", "auto"),
+            vlm=data_cfg.get("vlm"),
+        )
+        eval_interval = trainer.get("eval_interval")
+        dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
+        budget = data_cfg.micro_batch_tokens
+        data_kwargs = dict(
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            seed=int(trainer.seed),
+            tokenizer=tokenizer,
+        )
+        data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
     for line in startup_report(data):
         log.info("data: %s", line)

@@ -1,0 +1,30 @@
+"""``python -m thdpack.export``'s command line: a checkpoint it cannot export is named in one line (exit code 2,
+no traceback), and nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from thdpack.hf.export import main
+
+
+def _fails(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_directory_without_a_checkpoint_is_named(tmp_path, capsys):
+    err = _fails([str(tmp_path / "ckpt"), str(tmp_path / "out")], capsys)
+    assert err.startswith("python -m thdpack.export: error: ")
+    assert f"{tmp_path / 'ckpt'} holds no complete checkpoint (no latest_checkpointed_iteration.txt)" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_leaves_an_existing_output_directory_as_it_was(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    _fails([str(tmp_path / "ckpt"), str(tmp_path / "out")], capsys)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
