@@ -33,11 +33,6 @@ VARIANTS = {
     "fp32": ["trainer.precision=fp32"],
     "fp8": ["trainer.precision=fp8", "trainer.fp8_recipe=tensorwise"],
     "fp8_delayed": ["trainer.precision=fp8", "trainer.fp8_recipe=delayed"],
-    "fp8_delayed_attention": [
-        "trainer.precision=fp8",
-        "trainer.fp8_recipe=delayed",
-        "+model.config.fp8_dot_product_attention=true",
-    ],
     "precision_aware": [
         "trainer.precision=bf16",
         "trainer.use_precision_aware_optimizer=true",

@@ -289,13 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     # megatron-core without Apex/TE on CPU, and torch's renamed collectives: expected, not news
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        out = export_checkpoint(
-            args.checkpoint, args.out_dir, args.iteration, int(args.max_shard_gib * 2**30)
-        )
-    except (
-        OSError,
-        ValueError,
-    ) as error:  # no such checkpoint, an occupied out_dir, a run without an HF model, ...
+    max_shard_bytes = int(args.max_shard_gib * 2**30)
+    try:  # no such checkpoint, an occupied out_dir, a run without a Hugging Face model, ...
+        out = export_checkpoint(args.checkpoint, args.out_dir, args.iteration, max_shard_bytes)
+    except (OSError, ValueError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(f"exported {args.checkpoint} to {out}")

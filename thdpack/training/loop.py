@@ -131,11 +131,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from thdpack.data import build_dataset, build_train_data
     from thdpack.data.loader import startup_report
-    from thdpack.data.samples import split_holdout
-    from thdpack.hf.processor import dataset_processor
-    from thdpack.hf.tokenizer import resolve_tokenizer
     from thdpack.megatron.batch import BatchConfig, model_alignment
     from thdpack.megatron.checkpoint import resume_vocab_size
     from thdpack.megatron.config import padded_vocab_size, transformer_config
@@ -176,35 +172,10 @@ def setup_run(cfg: DictConfig) -> Run:
 
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
     try:  # the data's checks name the file, the line and the rule
-        # an image chat dataset's tokenizer is the vision-language checkpoint's processor
-        tokenizer = dataset_processor(
-            data_cfg.name, data_cfg.get("tokenizer"), cfg.model
-        ) or resolve_tokenizer(
-            data_cfg.get("tokenizer", "auto"),
-            cfg.model.get("pretrained"),
-            data_cfg.get("chat_template_kwargs"),
-        )
-        dataset = build_dataset(
-            data_cfg.name,
-            data_cfg.get("path"),
-            tokenizer,
-            max_files=data_cfg.get("max_files"),
-            synthetic=data_cfg.get("synthetic"),
-            validate=data_cfg.get("validate", "auto"),
-            vlm=data_cfg.get("vlm"),
-        )
-        eval_interval = trainer.get("eval_interval")
-        dataset, held_out = split_holdout(dataset, int(trainer.eval_samples) if eval_interval else 0)
-        budget = data_cfg.micro_batch_tokens
-        data_kwargs = dict(
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            seed=int(trainer.seed),
-            tokenizer=tokenizer,
-        )
-        data = build_train_data(data_cfg, dataset=dataset, **data_kwargs)
+        tokenizer, dataset, held_out, data_kwargs, data = _build_data(cfg, ps)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    budget = data_cfg.micro_batch_tokens
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
     for line in startup_report(data):
         log.info("data: %s", line)
@@ -273,6 +244,46 @@ def setup_run(cfg: DictConfig) -> Run:
         forward_backward=get_forward_backward_func(),
         flops=FlopsModel.of(config, vocab_size),
         logging_rank=logging_rank,
+    )
+
+
+def _build_data(cfg: DictConfig, ps):
+    """The tokenizer, the training and held-out samples, the loader's keyword arguments and this data-parallel
+    rank's training stream."""
+    from thdpack.data import build_dataset, build_train_data
+    from thdpack.data.samples import split_holdout
+    from thdpack.hf.processor import dataset_processor
+    from thdpack.hf.tokenizer import resolve_tokenizer
+
+    data_cfg, trainer = cfg.dataset, cfg.trainer
+    # an image chat dataset's tokenizer is the vision-language checkpoint's processor
+    tokenizer = dataset_processor(data_cfg.name, data_cfg.get("tokenizer"), cfg.model) or resolve_tokenizer(
+        data_cfg.get("tokenizer", "auto"), cfg.model.get("pretrained"), data_cfg.get("chat_template_kwargs")
+    )
+    dataset = build_dataset(
+        data_cfg.name,
+        data_cfg.get("path"),
+        tokenizer,
+        max_files=data_cfg.get("max_files"),
+        synthetic=data_cfg.get("synthetic"),
+        validate=data_cfg.get("validate", "auto"),
+        vlm=data_cfg.get("vlm"),
+    )
+    dataset, held_out = split_holdout(
+        dataset, int(trainer.eval_samples) if trainer.get("eval_interval") else 0
+    )
+    data_kwargs = dict(
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        seed=int(trainer.seed),
+        tokenizer=tokenizer,
+    )
+    return (
+        tokenizer,
+        dataset,
+        held_out,
+        data_kwargs,
+        build_train_data(data_cfg, dataset=dataset, **data_kwargs),
     )
 
 
