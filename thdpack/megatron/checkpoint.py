@@ -128,6 +128,9 @@ def save_checkpoint(
     check_optimizer_format(optimizer_format)
     from megatron.core import dist_checkpointing
 
+    from .distributed import sync_params
+
+    sync_params(model)  # trainer.overlap_param_gather: the updated weights, not the last forward's
     final = checkpoint_path(directory, iteration)
     if latest_iteration(directory) == iteration:
         # Loaded and not trained since (a finished run started again): the checkpoint is complete already, and

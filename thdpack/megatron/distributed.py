@@ -8,7 +8,7 @@ import torch
 
 from .runtime import Runtime
 
-__all__ = ["fuse_te_wgrad_accumulation", "te_wgrad_fusion", "wrap_model"]
+__all__ = ["fuse_te_wgrad_accumulation", "sync_params", "te_wgrad_fusion", "wrap_model"]
 
 
 def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
@@ -43,11 +43,24 @@ def fuse_te_wgrad_accumulation(module) -> None:
             layer.fuse_wgrad_accumulation = True
 
 
-def wrap_model(module, config, runtime: Runtime, grad_reduce_in_fp32: bool = True, fuse_wgrad: bool = False):
+def wrap_model(
+    module,
+    config,
+    runtime: Runtime,
+    grad_reduce_in_fp32: bool = True,
+    fuse_wgrad: bool = False,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+):
     """``module`` (this rank's stage of the model) on the runtime's device, in bf16 through Megatron's
     ``Float16Module`` when ``runtime.precision`` says so, inside Megatron's ``DistributedDataParallel`` with fp32
     gradient buffers, sharded for the distributed optimizer. ``fuse_wgrad``: :func:`fuse_te_wgrad_accumulation`
-    (decided by :func:`te_wgrad_fusion`)."""
+    (decided by :func:`te_wgrad_fusion`).
+
+    ``overlap_grad_reduce``: each gradient bucket's reduce-scatter starts as soon as the last micro-batch's backward
+    has filled it, instead of after the whole backward. ``overlap_param_gather``: the distributed optimizer's
+    updated shards are all-gathered bucket by bucket during the next forward (Megatron's forward pre-hooks)
+    instead of right after the optimizer step; parameters read outside a forward need :func:`sync_params` first."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if fuse_wgrad:
@@ -59,6 +72,17 @@ def wrap_model(module, config, runtime: Runtime, grad_reduce_in_fp32: bool = Tru
 
         module = Float16Module(config, module)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=True
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
     )
     return DistributedDataParallel(config, ddp_config, module)
+
+
+def sync_params(model) -> None:
+    """Finish the parameter all-gather that ``overlap_param_gather`` leaves to the next forward, so that the
+    parameters read now (a checkpoint's, an export's) are the updated ones; nothing to do without it."""
+    for chunk in model if isinstance(model, list | tuple) else [model]:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)

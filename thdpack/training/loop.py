@@ -189,7 +189,13 @@ def setup_run(cfg: DictConfig) -> Run:
     )
     module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
     model = wrap_model(
-        module, config, runtime, ddp_grad_reduce_in_fp32(trainer), te_wgrad_fusion(cfg.model, runtime)
+        module,
+        config,
+        runtime,
+        ddp_grad_reduce_in_fp32(trainer),
+        te_wgrad_fusion(cfg.model, runtime),
+        overlap_grad_reduce=trainer.overlap_grad_reduce is True,
+        overlap_param_gather=trainer.overlap_param_gather is True,
     )
     optimizer, scheduler = build_optimizer(trainer, model, config)
     optimizer_step = OptimizerStep(optimizer, runtime.device)

@@ -122,6 +122,9 @@ def _trainer(trainer: Mapping, recipes: Path) -> None:
         raise ConfigError(
             f"trainer.progress_bar is '{trainer['progress_bar']}': it must be auto, true or false"
         )
+    for key in ("overlap_grad_reduce", "overlap_param_gather"):
+        if trainer.get(key, False) not in (True, False):
+            raise ConfigError(f"trainer.{key} is {trainer.get(key)!r}: it must be true or false")
     if trainer.get("on_nonfinite", "error") not in ("error", "skip"):
         raise ConfigError(
             f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip"
