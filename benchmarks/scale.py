@@ -1,8 +1,10 @@
-"""Scale-out: thdpack against transformers + Liger + FSDP2 on the same fine-tuning job, on 1..N GPUs.
+"""Scale-out: thdpack against the Hugging Face stack (transformers + Liger + FSDP2 or DDP, tuned) on the same
+fine-tuning job, on 1..N GPUs.
 
     python benchmarks/scale.py --smoke                          # CPU, gloo: tiny shape, 2 ranks
-    python benchmarks/scale.py --shape llama3_1b --world-sizes 1          # one GPU
-    python benchmarks/scale.py --shape llama3_8b --layouts tp2,pp2,tp2pp2,dp --world-sizes 2,4,8
+    python benchmarks/scale.py --shape llama3_1b --world-sizes 1,2,4 --hf-configs ddp,ddp:autocast
+    python benchmarks/scale.py --shape llama3_8b --layouts tp2+ov,tp4+ov,tp2+ov+fp8 --world-sizes 4 \
+        --hf-configs fsdp2,fsdp2:noreshard@8192,fsdp2:ac@32768
 
 The job: a Hugging Face directory of the shape (made here from a seed, ``scale_job.make_hf_dir``), the same
 synthetic samples (the chat-like length mix, or every sample ``--seq-length`` tokens with ``--mix full``), the
@@ -13,8 +15,10 @@ trains it in its own ``torchrun`` launch per world size:
 * thdpack (``scale_thdpack.py``) with each ``--layouts`` entry: ``dp``, or parallel sizes such as ``tp2``,
   ``pp2``, ``cp2``, ``ep2``, ``tp2pp2``, optionally ``:fold`` / ``:distinct`` for the packed alignment
   (``dataset.mode``); data parallelism is what the world size leaves;
-* transformers + Liger + FSDP2 (``scale_hf.py``), packed rows with varlen attention.
+* transformers + Liger (``scale_hf.py``), packed rows with varlen attention, in each of ``--hf-configs``
+  (FSDP2 with its knobs, or DDP; ``scale_job.parse_peer``), all in one launch per world size.
 
+The comparison pairs each thdpack layout with the fastest transformers configuration at the same world size.
 Reported per side and world size: real tokens/s per GPU over the steady steps (``--warmup`` first steps
 excluded), peak memory, scaling efficiency (tokens/s per GPU at N over that at the smallest world size the
 side ran), first-step losses side by side with their difference, device, versions and date ->
@@ -29,6 +33,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from scale_job import CPU_SHAPES, MIXES, SHAPES, dataset_config, make_hf_dir  # noqa: E402
+from scale_job import CPU_SHAPES, MIXES, SHAPES, dataset_config, make_hf_dir, parse_peer  # noqa: E402
 
 _LAYOUT = re.compile(r"((?:tp|pp|cp|ep)\d+)+|dp")
 # The CPU check (the L1 test): two ranks run each side's step as one rank does, plus the data-parallel split and
@@ -58,18 +63,49 @@ SMOKE = dict(
 )
 
 
+# thdpack's variants of a layout: +FLAG after it (tp2+ov+fp8), each a set of recipe overrides
+LAYOUT_FLAGS = {
+    "ov": ("trainer.overlap_grad_reduce=true", "trainer.overlap_param_gather=true"),
+    "fp8": ("trainer.precision=fp8",),
+    "recompute": (
+        "++model.config.recompute_granularity=full",
+        "++model.config.recompute_method=uniform",
+        "++model.config.recompute_num_layers=1",
+    ),
+    "selrec": ("++model.config.recompute_granularity=selective",),
+    "bf16grad": ("trainer.main_grads_dtype=bf16",),
+}
+
+
 def parse_layout(text: str) -> dict:
-    """``tp2pp2:fold`` -> ``{"name": "tp2pp2:fold", "tp": 2, "pp": 2, "cp": 1, "ep": 1, "mode": "fold"}``."""
-    spec, _, mode = text.partition(":")
-    if not _LAYOUT.fullmatch(spec) or mode not in ("", "auto", "fold", "distinct"):
+    """``tp2pp2:fold+ov@8192`` -> ``{"name": ..., "tp": 2, "pp": 2, "cp": 1, "ep": 1, "mode": "fold",
+    "overrides": [the +ov recipe overrides], "micro_batch_tokens": 8192}`` (flags: :data:`LAYOUT_FLAGS`; budget:
+    this layout's micro-batch tokens instead of ``--micro-batch-tokens``)."""
+    rest, _, budget = text.partition("@")
+    rest, *flags = rest.split("+")
+    spec, _, mode = rest.partition(":")
+    bad = [f for f in flags if f not in LAYOUT_FLAGS]
+    if (
+        not _LAYOUT.fullmatch(spec)
+        or mode not in ("", "auto", "fold", "distinct")
+        or bad
+        or (budget and not budget.isdigit())
+    ):
         raise ValueError(
-            f"layout '{text}': write dp, or sizes such as tp2, pp2, cp2, ep2, tp2pp2, "
-            "optionally :fold or :distinct"
+            f"layout '{text}': write dp, or sizes such as tp2, pp2, cp2, ep2, tp2pp2, optionally :fold or "
+            f":distinct, then +FLAG for each of {sorted(LAYOUT_FLAGS)}, then @TOKENS"
         )
     sizes = {key: 1 for key in ("tp", "pp", "cp", "ep")}
     for key, size in re.findall(r"(tp|pp|cp|ep)(\d+)", spec):
         sizes[key] = int(size)
-    return {"name": text, **sizes, "mode": mode or "auto"}
+    overrides = [o for f in flags for o in LAYOUT_FLAGS[f]]
+    return {
+        "name": text,
+        **sizes,
+        "mode": mode or "auto",
+        "overrides": overrides,
+        "micro_batch_tokens": int(budget) if budget else None,
+    }
 
 
 def layout_fits(layout: dict, world: int) -> str | None:
@@ -83,10 +119,17 @@ def layout_fits(layout: dict, world: int) -> str | None:
 
 
 def launch(
-    script: str, job: dict, work: Path, name: str, timeout: float, env: dict, reuse: bool = False
+    script: str,
+    job: dict,
+    work: Path,
+    name: str,
+    timeout: float,
+    env: dict,
+    reuse: bool = False,
+    keep_out: bool = False,
 ) -> dict:
     """Run ``script`` under torchrun with ``job`` on ``job["world_size"]`` ranks; its result, or the
-    failure."""
+    failure. ``keep_out``: the worker adds to an existing result file (the transformers side's configurations)."""
     work.mkdir(parents=True, exist_ok=True)
     job_path, log_path = work / f"{name}.job.json", work / f"{name}.log"
     job = {**job, "out": str(work / f"{name}.result.json")}
@@ -97,7 +140,8 @@ def launch(
         and Path(job["out"]).is_file()
     ):
         return json.loads(Path(job["out"]).read_text()) | {"status": "ok", "reused": True}
-    Path(job["out"]).unlink(missing_ok=True)
+    if not keep_out:
+        Path(job["out"]).unlink(missing_ok=True)
     job_path.write_text(json.dumps(job, indent=1) + "\n")
     command = [sys.executable, str(HERE / script), str(job_path)]
     if job["world_size"] > 1:
@@ -126,6 +170,36 @@ def launch(
         return result | {"launch_s": time.perf_counter() - started}
     status = "out of memory" if re.search(r"out of memory|OutOfMemoryError", text) else f"failed ({code})"
     return {"status": status, "log": str(log_path), "log_tail": text.splitlines()[-25:]}
+
+
+def launch_peer(job: dict, work: Path, name: str, timeout: float, env: dict, reuse: bool) -> list[dict]:
+    """``scale_hf.py`` over ``job["hf_configs"]`` in one launch, and again over those left whenever a launch ends
+    early (a configuration out of memory ends its process): one result per configuration, in the job's order,
+    each with its ``config``."""
+    from scale_hf import PEER_MARKER
+
+    out, log_path = work / f"{name}.result.json", work / f"{name}.log"
+    job_path = work / f"{name}.job.json"
+    if not (reuse and job_path.is_file() and json.loads(job_path.read_text()) == job | {"out": str(out)}):
+        out.unlink(missing_ok=True)
+    results: dict[str, dict] = {}
+    left = list(job["hf_configs"])
+    for attempt in range(1, len(left) + 1):
+        ended = launch("scale_hf.py", job | {"hf_configs": left}, work, name, timeout, env, keep_out=True)
+        done = json.loads(out.read_text()) if out.is_file() else {}
+        results |= {t: done[t] | {"status": "ok"} for t in left if t in done}
+        left = [t for t in left if t not in done]
+        if not left or ended["status"] == "ok":
+            break
+        log = log_path.read_text(errors="replace")
+        shutil.copy(log_path, work / f"{name}.attempt{attempt}.log")
+        marks = list(re.finditer(re.escape(PEER_MARKER) + r"(\S+)", log))
+        failed = marks[-1].group(1) if marks and marks[-1].group(1) in left else left[0]
+        tail = log[marks[-1].start() :] if marks else log
+        status = "out of memory" if re.search(r"out of memory|OutOfMemoryError", tail) else ended["status"]
+        results[failed] = {"status": status, "log_tail": tail.splitlines()[-25:]}
+        left.remove(failed)
+    return [results.get(t, {"status": "not run"}) | {"config": t} for t in job["hf_configs"]]
 
 
 def _free_port() -> int:
@@ -176,35 +250,47 @@ def add_scaling(runs: list[dict]) -> None:
         run["scaling_efficiency"] = run["real_tokens_per_s_per_gpu"] / base["real_tokens_per_s_per_gpu"]
 
 
+def fastest(runs: list[dict], side: str, world: int) -> dict | None:
+    """The side's fastest run that finished at ``world`` ranks (real tokens/s per GPU), or None."""
+    done = [r for r in runs if r["side"] == side and r["world_size"] == world and r["status"] == "ok"]
+    return max(done, key=lambda r: r["real_tokens_per_s_per_gpu"], default=None)
+
+
 def compare(runs: list[dict]) -> list[dict]:
-    """Per world size and thdpack layout: the speed ratio to the transformers side and the first-step
-    losses."""
+    """Per world size and thdpack layout: the speed ratio to the fastest transformers configuration that ran at
+    that world size, and the first-step losses."""
     rows = []
-    for hf in (r for r in runs if r["side"] == "hf"):
-        for ours in (r for r in runs if r["side"] == "thdpack" and r["world_size"] == hf["world_size"]):
+    for world in sorted({r["world_size"] for r in runs if r["side"] == "hf"}):
+        hf = fastest(runs, "hf", world)
+        for ours in (r for r in runs if r["side"] == "thdpack" and r["world_size"] == world):
             if ours["status"].startswith("skipped"):
                 continue  # the runs table says why
-            row = {"world_size": hf["world_size"], "layout": ours["layout"]}
-            if ours["status"] == "ok" and hf["status"] == "ok":
+            row = {"world_size": world, "layout": ours["layout"]}
+            if ours["status"] == "ok" and hf is not None:
                 row |= {
+                    "hf_config": hf["layout"],
                     "thdpack_tok_s_per_gpu": ours["real_tokens_per_s_per_gpu"],
                     "hf_tok_s_per_gpu": hf["real_tokens_per_s_per_gpu"],
                     "speedup": ours["real_tokens_per_s_per_gpu"] / hf["real_tokens_per_s_per_gpu"],
                     "first_step_loss_thdpack": ours["first_step_loss"],
                     "first_step_loss_hf": hf["first_step_loss"],
                     "first_step_loss_diff": ours["first_step_loss"] - hf["first_step_loss"],
+                    "first_step_loss_rel_diff": (ours["first_step_loss"] - hf["first_step_loss"])
+                    / abs(hf["first_step_loss"]),
                     "thdpack_peak_gib": ours["peak_memory_gib_max"],
                     "hf_peak_gib": hf["peak_memory_gib_max"],
                 }
             else:
-                row["status"] = f"thdpack {ours['status']}, hf {hf['status']}"
+                row["status"] = f"thdpack {ours['status']}, transformers " + (
+                    "ran none of its configurations" if hf is None else "ok"
+                )
             rows.append(row)
     return rows
 
 
 def headline(runs: list[dict], rows: list[dict]) -> dict:
-    """At the largest world size both sides ran: thdpack's best layout against transformers + Liger +
-    FSDP2."""
+    """At the largest world size both sides ran: thdpack's best layout against the fastest transformers
+    configuration."""
     done = [r for r in rows if "speedup" in r]
     if not done:
         return {}
@@ -215,15 +301,19 @@ def headline(runs: list[dict], rows: list[dict]) -> dict:
         for r in runs
         if r["side"] == "thdpack" and r["layout"] == best["layout"] and r["world_size"] == world
     )
-    hf = next(r for r in runs if r["side"] == "hf" and r["world_size"] == world)
+    hf = fastest(runs, "hf", world)
     return {
         "world_size": world,
         "best_thdpack_layout": best["layout"],
+        "fastest_hf_config": hf["layout"],
         "speedup_per_gpu": best["speedup"],
+        "thdpack_tok_s_per_gpu": best["thdpack_tok_s_per_gpu"],
+        "hf_tok_s_per_gpu": best["hf_tok_s_per_gpu"],
         "scaling_efficiency_thdpack": ours.get("scaling_efficiency"),
         "scaling_efficiency_hf": hf.get("scaling_efficiency"),
         "scaling_base_world_size": [ours.get("scaling_base_world_size"), hf.get("scaling_base_world_size")],
         "max_abs_first_step_loss_diff": max(abs(r["first_step_loss_diff"]) for r in done),
+        "max_abs_first_step_loss_rel_diff": max(abs(r["first_step_loss_rel_diff"]) for r in done),
     }
 
 
@@ -252,20 +342,25 @@ def device_name(runs: list[dict]) -> tuple[str, str]:
     return f"{torch.cuda.device_count()}x {name}", tag
 
 
-def write_report(payload: dict, out: Path, label: str | None) -> Path:
+def write_report(payload: dict, out: Path, label: str | None, quiet: bool = False) -> Path:
     date = payload["date"][:10]
     stem = out / f"scale{'-' + label if label else ''}_{payload['tag']}_{date}"
     out.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
     setup, v = payload["setup"], payload["versions"]
     lines = [
-        f"# Scale-out: thdpack against transformers + Liger + FSDP2, {setup['shape']} on "
-        f"{payload['device']}, {date}",
+        f"# Scale-out: thdpack against transformers + Liger, {setup['shape']} on {payload['device']}, {date}",
         "",
         f"torch {v['torch']}, transformers {v['transformers']}, liger-kernel {v['liger-kernel']}, "
         f"megatron-core {v['megatron-core']}, Transformer Engine {v['transformer-engine']}. "
         f"Mix `{setup['mix']}`, seq_length "
-        f"{setup['seq_length']}, {setup['samples_per_gpu']} samples per GPU a step, micro-batches of at most "
+        f"{setup['seq_length']}, "
+        + (
+            f"{setup['samples_per_step']} samples a step (transformers: {setup['hf_samples_per_step'] or setup['samples_per_step']})"
+            if setup.get("samples_per_step")
+            else f"{setup['samples_per_gpu']} samples per GPU a step"
+        )
+        + ", micro-batches of at most "
         f"{setup['micro_batch_tokens']} tokens (transformers: {setup['hf_micro_batch_tokens']}), "
         f"{setup['steps']} "
         f"steps, the first {setup['warmup']} not timed.",
@@ -289,28 +384,41 @@ def write_report(payload: dict, out: Path, label: str | None) -> Path:
         )
     lines += [
         "",
-        "| GPUs | thdpack layout | speedup per GPU | first-step loss thdpack / hf | difference |",
-        "|---|---|---|---|---|",
+        "| GPUs | thdpack layout | vs transformers | speedup per GPU | first-step loss thdpack / hf | "
+        "difference |",
+        "|---|---|---|---|---|---|",
     ]
     for row in payload["comparison"]:
         if "speedup" in row:
             lines.append(
-                f"| {row['world_size']} | {row['layout']} | {row['speedup']:.2f}x | "
+                f"| {row['world_size']} | {row['layout']} | {row['hf_config']} | {row['speedup']:.2f}x | "
                 f"{row['first_step_loss_thdpack']:.6f} / {row['first_step_loss_hf']:.6f} | "
-                f"{row['first_step_loss_diff']:+.2e} |"
+                f"{row['first_step_loss_diff']:+.2e} ({row['first_step_loss_rel_diff']:+.1e} rel.) |"
             )
         else:
-            lines.append(f"| {row['world_size']} | {row['layout']} | {row['status']} | - | - |")
-    hf = next((r for r in payload["runs"] if r["side"] == "hf" and r["status"] == "ok"), None)
-    if hf:
+            lines.append(f"| {row['world_size']} | {row['layout']} | - | {row['status']} | - | - |")
+    peers = {r["layout"]: r for r in payload["runs"] if r["side"] == "hf" and r["status"] == "ok"}
+    if peers:
+        lines += ["", "transformers configurations (scale_job.parse_peer):"]
+        for name, r in peers.items():
+            lines.append(
+                f"- `{name}`: attention {r['attention_detail']}; Liger: {r['liger']}; {r['precision']}; "
+                f"experts: {r.get('experts_implementation') or 'n/a'}; {r['micro_batch_tokens']} tokens a "
+                "micro-batch."
+            )
+    flags = {
+        f for r in payload["runs"] if r["side"] == "thdpack" for f in r["layout"].split("@")[0].split("+")[1:]
+    }
+    if flags:
         lines += [
             "",
-            f"transformers side: attention {hf['attention_detail']}; Liger: {hf['liger']}; "
-            f"{hf['precision']}.",
+            "thdpack layout flags: "
+            + "; ".join(f"`+{f}`: {', '.join(payload['setup']['layout_flags'][f])}" for f in sorted(flags)),
         ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json, .md")
+    if not quiet:
+        print("\n".join(lines))
+        print(f"wrote {stem}.json, .md")
     return stem
 
 
@@ -330,11 +438,28 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("--world-sizes", default="1")
     parser.add_argument("--sides", default="thdpack,hf")
+    parser.add_argument(
+        "--hf-configs",
+        default="fsdp2",
+        help="transformers configurations, comma-separated, run in this order in one launch "
+        "(scale_job.parse_peer: fsdp2[:noreshard][:prefetchN][:ac][:bf16reduce], ddp[:autocast], @TOKENS)",
+    )
+    parser.add_argument("--layers", type=int, help="decoder layers of the made shape instead of its own")
     parser.add_argument("--mix", choices=MIXES, default="chat")
     parser.add_argument("--seq-length", type=int, default=8192)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--hf-micro-batch-tokens", type=int, help="transformers' budget (default: the same)")
     parser.add_argument("--samples-per-gpu", type=int, default=32, help="samples a step per GPU")
+    parser.add_argument(
+        "--samples-per-step",
+        type=int,
+        help="samples a step at every world size instead (long samples under context parallelism: fewer than GPUs)",
+    )
+    parser.add_argument(
+        "--hf-samples-per-step",
+        type=int,
+        help="the transformers side's samples a step (each of its data-parallel ranks needs one at least)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -371,8 +496,12 @@ def main(argv: list[str] | None = None) -> Path:
         parser.set_defaults(**SMOKE)
     args = parser.parse_args(argv)
     layouts = [parse_layout(t) for t in args.layouts.split(",")]
+    hf_configs = args.hf_configs.split(",")
+    for text in hf_configs:
+        parse_peer(text)  # a misspelt configuration stops here, before any launch
     worlds = [int(n) for n in args.world_sizes.split(",")]
-    sides = args.sides.split(",")
+    if set(args.sides.split(",")) - {"thdpack", "hf"}:
+        parser.error(f"--sides {args.sides}: thdpack, hf or both")
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -404,11 +533,64 @@ def main(argv: list[str] | None = None) -> Path:
         "hf_sync_each_microbatch": args.hf_sync_each_microbatch,
     }
     runs_dir = args.work / "runs" / Path(hf_dir).name  # one folder a model: run names repeat across shapes
-    runs = []
+    runs: list[dict] = []
+    setup = {
+        "shape": args.hf_dir.name if args.hf_dir else args.shape,
+        "hf_dir": str(hf_dir),
+        "mix": args.mix,
+        "seq_length": args.seq_length,
+        "micro_batch_tokens": budget,
+        "hf_micro_batch_tokens": common["hf_micro_batch_tokens"],
+        "samples_per_gpu": args.samples_per_gpu,
+        "samples_per_step": args.samples_per_step,
+        "hf_samples_per_step": args.hf_samples_per_step,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "lr": args.lr,
+        "seed": args.seed,
+        "layouts": [layout["name"] for layout in layouts],
+        "layout_flags": {k: list(v) for k, v in LAYOUT_FLAGS.items()},
+        "hf_configs": hf_configs,
+        "layers": args.layers,
+        "world_sizes": worlds,
+        "thdpack_overrides": args.thdpack_override,
+        "smoke": args.smoke,
+        "weights": "the same Hugging Face directory on both sides; thdpack imports it with model=hf "
+        "model.pretrained=DIR (thdpack.hf)",
+    }
+    for run in run_all(args, worlds, layouts, hf_configs, common, env, budget, runs_dir):
+        runs.append(run)
+        report(args, runs, setup, quiet=True)  # after every run: a sweep cut short keeps what it measured
+    return report(args, runs, setup)
+
+
+def report(args, runs: list[dict], setup: dict, quiet: bool = False) -> Path:
+    """The report of ``runs`` so far (``--out``), with scaling efficiencies and the comparison."""
+    add_scaling(runs)
+    rows = compare(runs)
+    device, tag = device_name(runs)
+    payload = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tag": args.tag or tag,
+        "device": device,
+        "versions": versions(),
+        "setup": setup,
+        "headline": headline(runs, rows),
+        "comparison": rows,
+        "runs": runs,
+    }
+    return write_report(payload, args.out, args.label, quiet)
+
+
+def run_all(args, worlds, layouts, hf_configs, common, env, budget, runs_dir):
+    """Every run of the sweep, one after another, as each ends: thdpack's layouts, then the transformers
+    configurations (one launch), per world size."""
+    sides = args.sides.split(",")
     for world in worlds:
+        samples = args.samples_per_step or args.samples_per_gpu * world
         dataset = dataset_config(
             seq_length=args.seq_length,
-            global_batch_size=args.samples_per_gpu * world,
+            global_batch_size=samples,
             micro_batch_tokens=budget,
             mix=args.mix,
             seed=args.seed,
@@ -426,74 +608,50 @@ def main(argv: list[str] | None = None) -> Path:
                         {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"} if args.log_te_backend else {}
                     )
                     thdpack_job = job | {"layout": layout}
+                    if layout["micro_batch_tokens"]:
+                        thdpack_job["dataset"] = dataset | {
+                            "micro_batch_tokens": layout["micro_batch_tokens"]
+                        }
                     result = launch(
                         "scale_thdpack.py", thdpack_job, runs_dir, name, args.timeout, run_env, args.reuse
                     )
-                runs.append(
-                    summarize(
-                        {"side": "thdpack", "layout": layout["name"], "world_size": world} | result,
-                        args.warmup,
-                    )
+                run = summarize(
+                    {"side": "thdpack", "layout": layout["name"], "world_size": world} | result, args.warmup
                 )
-                _print_run(runs[-1])
+                _print_run(run)
+                yield run
         if "hf" in sides:
-            name = f"hf_fsdp2_{world}"
-            print(f"== {name}", flush=True)
-            result = launch("scale_hf.py", job, runs_dir, name, args.timeout, env, args.reuse)
-            runs.append(
-                summarize({"side": "hf", "layout": "fsdp2", "world_size": world} | result, args.warmup)
-            )
-            _print_run(runs[-1])
-    add_scaling(runs)
-    rows = compare(runs)
-    device, tag = device_name(runs)
-    payload = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tag": args.tag or tag,
-        "device": device,
-        "versions": versions(),
-        "setup": {
-            "shape": args.hf_dir.name if args.hf_dir else args.shape,
-            "hf_dir": str(hf_dir),
-            "mix": args.mix,
-            "seq_length": args.seq_length,
-            "micro_batch_tokens": budget,
-            "hf_micro_batch_tokens": common["hf_micro_batch_tokens"],
-            "samples_per_gpu": args.samples_per_gpu,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "lr": args.lr,
-            "seed": args.seed,
-            "layouts": [layout["name"] for layout in layouts],
-            "world_sizes": worlds,
-            "thdpack_overrides": args.thdpack_override,
-            "smoke": args.smoke,
-            "weights": "the same Hugging Face directory on both sides; thdpack imports it with model=hf "
-            "model.pretrained=DIR (thdpack.hf)",
-        },
-        "headline": headline(runs, rows),
-        "comparison": rows,
-        "runs": runs,
-    }
-    return write_report(payload, args.out, args.label)
+            name = f"hf_{world}"
+            print(f"== {name}: {', '.join(hf_configs)}", flush=True)
+            peer_job = job | {"hf_configs": hf_configs}
+            if args.hf_samples_per_step:
+                peer_job["dataset"] = dataset | {"global_batch_size": args.hf_samples_per_step}
+            for result in launch_peer(peer_job, runs_dir, name, args.timeout, env, args.reuse):
+                config = result.pop("config")
+                run = summarize({"side": "hf", "layout": config, "world_size": world} | result, args.warmup)
+                print(f"   transformers {config}:", flush=True)
+                _print_run(run)
+                yield run
 
 
 def make_model_dir(args) -> Path:
-    """The shape's directory under ``--work``: a CPU shape here, a GPU shape in a child process on the GPU
-    (drawn
-    there fast, and the GPU's memory is free again for the workers)."""
-    out = args.work / "models" / f"{args.shape}_seed{args.seed}"
+    """The shape's directory under ``--work`` (``--layers`` in its name): a CPU shape here, a GPU shape in a
+    child process on the GPU (drawn there fast, and the GPU's memory is free again for the workers)."""
+    layers = f"_l{args.layers}" if args.layers else ""
+    out = args.work / "models" / f"{args.shape}{layers}_seed{args.seed}"
     if args.shape in CPU_SHAPES:
-        return make_hf_dir(args.shape, args.seed, out)
+        return make_hf_dir(args.shape, args.seed, out, layers=args.layers)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import torch; from pathlib import Path; "
         "from scale_job import make_hf_dir; "
         "make_hf_dir(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]), "
-        "'cuda' if torch.cuda.is_available() else 'cpu')"
+        "'cuda' if torch.cuda.is_available() else 'cpu', int(sys.argv[5]) or None)"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     subprocess.run(
-        [sys.executable, "-c", code, str(HERE), args.shape, str(args.seed), str(out)], check=True, env=env
+        [sys.executable, "-c", code, str(HERE), args.shape, str(args.seed), str(out), str(args.layers or 0)],
+        check=True,
+        env=env,
     )
     return out
 

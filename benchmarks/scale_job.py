@@ -105,31 +105,83 @@ MARKER = (
     "thdpack_scale_shape.json"  # what made the directory: a later run with the same shape and seed reuses it
 )
 
-# Length mixes of the synthetic samples (thdpack.data.synthetic): the chat-like lognormal, or every sample
-# seq_length tokens long (the long-context runs: 32k-token samples under context parallelism).
-MIXES = ("chat", "full")
+# Length mixes of the synthetic samples (thdpack.data.synthetic): the chat-like lognormal, a long-sample lognormal
+# (median 6,000 tokens), or every sample seq_length tokens long (the long-context runs under context parallelism).
+MIXES = ("chat", "long", "full")
 
 
-def hf_config(shape: str):
-    """The transformers config of ``shape``."""
+# The transformers side's configurations (``scale_hf.py``), as a user of that stack tunes it:
+#   fsdp2[:noreshard][:prefetchN][:ac][:bf16reduce][@TOKENS]   torch's fully_shard per decoder layer, then the root
+#   ddp[:autocast][@TOKENS]                                     torch's DistributedDataParallel, the model whole
+# noreshard: reshard_after_forward=False (parameters stay gathered from forward to backward: fewer all-gathers,
+# more memory); prefetchN: explicit forward and backward prefetch of the next N layers (FSDP2's own is one layer,
+# implicit); ac: activation checkpointing per decoder layer (transformers' gradient_checkpointing_enable, non-reentrant);
+# bf16reduce: gradients reduce-scattered in bf16 instead of fp32. FSDP2 keeps fp32 sharded master weights and
+# computes in bf16 (MixedPrecisionPolicy). ddp: bf16 parameters and optimizer state (the model loaded in bf16);
+# ddp:autocast: fp32 parameters under torch.autocast (what Trainer's bf16=True does with an fp32 model).
+# @TOKENS: this configuration's micro-batch budget (default: the job's).
+PEER_FLAGS = ("noreshard", "ac", "bf16reduce", "autocast")
+
+
+def parse_peer(text: str) -> dict:
+    """``fsdp2:noreshard:prefetch2@8192`` -> the configuration ``scale_hf.py`` runs (see the table above)."""
+    spec, _, budget = text.partition("@")
+    kind, *flags = spec.split(":")
+    peer = {
+        "name": text,
+        "parallel": kind,
+        "reshard_after_forward": True,
+        "prefetch": 0,
+        "activation_checkpointing": False,
+        "reduce_dtype": "fp32",
+        "precision": "mixed" if kind == "fsdp2" else "bf16",
+        "micro_batch_tokens": int(budget) if budget.isdigit() else None,
+    }
+    allowed = {"fsdp2": ("noreshard", "ac", "bf16reduce", "prefetchN"), "ddp": ("autocast", "ac")}.get(kind)
+    bad = allowed is None or (budget and not budget.isdigit())
+    for flag in flags:
+        name = "prefetchN" if flag.startswith("prefetch") and flag[8:].isdigit() else flag
+        if allowed is None or name not in allowed:
+            bad = True
+        elif name == "prefetchN":
+            peer["prefetch"] = int(flag[8:])
+        elif name == "noreshard":
+            peer["reshard_after_forward"] = False
+        elif name == "ac":
+            peer["activation_checkpointing"] = True
+        elif name == "bf16reduce":
+            peer["reduce_dtype"] = "bf16"
+        elif name == "autocast":
+            peer["precision"] = "autocast"
+    if bad:
+        raise ValueError(
+            f"transformers configuration '{text}': write fsdp2[:noreshard][:prefetchN][:ac][:bf16reduce] or "
+            "ddp[:autocast][:ac], optionally @TOKENS"
+        )
+    return peer
+
+
+def hf_config(shape: str, layers: int | None = None):
+    """The transformers config of ``shape`` (with ``layers`` decoder layers instead of the shape's own)."""
     if shape not in SHAPES:
         raise ValueError(f"shape '{shape}' is unknown: choose one of {sorted(SHAPES)}")
     model_type, kwargs = SHAPES[shape]
     from transformers import LlamaConfig, Qwen3MoeConfig
 
     config_class = {"llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[model_type]
+    kwargs = kwargs | ({"num_hidden_layers": layers} if layers else {})
     # room for the longest sample the benchmark gives (RoPE needs no table, transformers checks the bound)
-    return config_class(**kwargs, max_position_embeddings=131072)
+    return config_class(**kwargs, max_position_embeddings=262144)
 
 
-def make_hf_dir(shape: str, seed: int, out: Path, device: str = "cpu") -> Path:
-    """``out`` holding ``shape`` with random weights from ``seed`` (``torch.manual_seed`` before the
-    transformers constructor), as ``save_pretrained`` writes it. A directory already made from the same shape,
-    seed and config is kept as it is."""
+def make_hf_dir(shape: str, seed: int, out: Path, device: str = "cpu", layers: int | None = None) -> Path:
+    """``out`` holding ``shape`` (``layers`` decoder layers if given) with random weights from ``seed``
+    (``torch.manual_seed`` before the transformers constructor), as ``save_pretrained`` writes it. A directory
+    already made from the same shape, seed and config is kept as it is."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(shape)
+    config = hf_config(shape, layers)
     marker = {"shape": shape, "seed": seed, "config": config.to_dict()}
     marker.pop("transformers_version", None)
     marker["config"].pop("transformers_version", None)
@@ -181,6 +233,8 @@ def dataset_config(
     and balances them over the data-parallel ranks)."""
     if mix == "chat":
         lengths = dict(median=700, sigma=1.0, min_length=32, max_length=seq_length)
+    elif mix == "long":  # long fine-tuning samples (documents, long chats): median 6k tokens
+        lengths = dict(median=6000, sigma=0.6, min_length=1024, max_length=seq_length)
     elif mix == "full":
         lengths = dict(median=seq_length, sigma=0.0, min_length=seq_length, max_length=seq_length)
     else:
@@ -232,9 +286,8 @@ def step_record(step: int, time_s: float, real_tokens: int, microbatches: int, l
     }
 
 
-def write_worker_result(out: Path, side: dict, steps: list[dict]) -> None:
-    """Gather every rank's steps and peak memory on global rank 0 and write ``out``: per step the slowest
-    rank's
+def gather_worker_result(side: dict, steps: list[dict]) -> dict | None:
+    """Every rank's steps and peak memory gathered on global rank 0 (None elsewhere): per step the slowest rank's
     time and the loss of the rank that has it; peak GPU memory (``max_memory_allocated``) and peak host memory
     (max RSS) of every rank."""
     import resource
@@ -250,7 +303,7 @@ def write_worker_result(out: Path, side: dict, steps: list[dict]) -> None:
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() != 0:
-        return
+        return None
     merged = []
     for i, step in enumerate(steps):
         losses = [r["steps"][i]["loss"] for r in ranks if r["steps"][i]["loss"] is not None]
@@ -262,15 +315,21 @@ def write_worker_result(out: Path, side: dict, steps: list[dict]) -> None:
                 "microbatches": max(r["steps"][i]["microbatches"] for r in ranks),
             }
         )
-    result = {
+    return {
         **side,
         "world_size": dist.get_world_size(),
         "steps": merged,
         "peak_memory_gib": [r["peak_memory_gib"] for r in ranks],
         "peak_rss_gib": [r["peak_rss_gib"] for r in ranks],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def write_worker_result(out: Path, side: dict, steps: list[dict]) -> None:
+    """:func:`gather_worker_result`, written to ``out`` by global rank 0."""
+    result = gather_worker_result(side, steps)
+    if result is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def device_label() -> str:

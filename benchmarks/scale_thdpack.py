@@ -52,6 +52,7 @@ def overrides(job: dict, device: str) -> list[str]:
         f"trainer.clip_grad={job['clip_grad']}",
         f"trainer.seed={job['seed']}",
         "trainer.progress_bar=false",
+        *layout.get("overrides", []),
         *job.get("thdpack_overrides", []),
     ]
 
@@ -102,6 +103,7 @@ def main(job_path: Path) -> None:
         "precision": run.runtime.precision,
         "alignment": run.step.batch.alignment.mode,
         "micro_batch_tokens": job["dataset"]["micro_batch_tokens"],
+        "overrides": [*job["layout"].get("overrides", []), *job.get("thdpack_overrides", [])],
         "weights": "model=hf model.pretrained (thdpack.hf)",
     }
     write_worker_result(Path(job["out"]), side, steps)

@@ -119,8 +119,47 @@ def test_layout_names_read_as_parallel_sizes_and_alignment():
         "cp": 1,
         "ep": 1,
         "mode": "fold",
+        "overrides": [],
+        "micro_batch_tokens": None,
     }
     assert scale.parse_layout("dp")["tp"] == 1
+
+
+def test_layout_flags_add_their_recipe_overrides_and_a_budget_its_own():
+    layout = scale.parse_layout("tp2cp2:distinct+ov+fp8@8192")
+    assert (layout["tp"], layout["cp"], layout["mode"], layout["micro_batch_tokens"]) == (
+        2,
+        2,
+        "distinct",
+        8192,
+    )
+    assert layout["overrides"] == [
+        "trainer.overlap_grad_reduce=true",
+        "trainer.overlap_param_gather=true",
+        "trainer.precision=fp8",
+    ]
+    with pytest.raises(ValueError, match="layout 'tp2\\+fast'"):
+        scale.parse_layout("tp2+fast")
+
+
+def test_transformers_configurations_read_as_their_knobs():
+    peer = scale_job.parse_peer("fsdp2:noreshard:prefetch2:ac:bf16reduce@8192")
+    assert peer == {
+        "name": "fsdp2:noreshard:prefetch2:ac:bf16reduce@8192",
+        "parallel": "fsdp2",
+        "reshard_after_forward": False,
+        "prefetch": 2,
+        "activation_checkpointing": True,
+        "reduce_dtype": "bf16",
+        "precision": "mixed",
+        "micro_batch_tokens": 8192,
+    }
+    assert scale_job.parse_peer("fsdp2")["reshard_after_forward"] is True
+    assert scale_job.parse_peer("ddp")["precision"] == "bf16"
+    assert scale_job.parse_peer("ddp:autocast")["precision"] == "autocast"
+    for bad in ("fsdp", "ddp:noreshard", "fsdp2:prefetch", "fsdp2@many"):
+        with pytest.raises(ValueError, match="transformers configuration"):
+            scale_job.parse_peer(bad)
 
 
 def test_a_misspelt_layout_is_refused():
@@ -190,6 +229,18 @@ def test_comparison_pairs_each_thdpack_layout_with_transformers_at_its_world_siz
     rows = scale.compare(runs)
     assert [(r["layout"], r["speedup"]) for r in rows] == [("dp", 3.0), ("tp2", 2.0)]
     assert scale.headline(runs, rows)["best_thdpack_layout"] == "dp"
+
+
+def test_comparison_takes_the_fastest_transformers_configuration_that_ran():
+    runs = [
+        _run("thdpack", "tp2", 4, 90.0),
+        _run("hf", "fsdp2", 4, 30.0),
+        _run("hf", "fsdp2:noreshard", 4, 45.0),
+        _run("hf", "fsdp2:noreshard@16384", 4, None, status="out of memory"),
+    ]
+    rows = scale.compare(runs)
+    assert [(r["hf_config"], r["speedup"]) for r in rows] == [("fsdp2:noreshard", 2.0)]
+    assert scale.headline(runs, rows)["fastest_hf_config"] == "fsdp2:noreshard"
 
 
 def test_the_fsdp2_bf16_side_divides_by_the_exact_count(tiny_llama, tmp_path):

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The four-GPU comparison (benchmarks/results/scale_<gpu>x4_<date>.md): thdpack against the tuned Hugging Face stack
+# on one host, phase by phase, each phase one or more benchmarks/scale.py sweeps. Run on the GPU host from the
+# repository root, with thdpack's GPU dependencies and liger-kernel installed:
+#
+#   bash benchmarks/scale_x4.sh smoke smoke-real      # every code path on tiny shapes, then real ones (one GPU)
+#   bash benchmarks/scale_x4.sh scaling 8b 8b-long    # then moe ctx: the phases of the report
+#
+# Reports land in $RESULTS (default outputs/scale_x4/results); after each phase they and the runs' logs are packed
+# into $OUT/scale_x4.tgz when $OUT is set (the device tool brings back a few files). Token budgets follow the
+# card's memory: the H200's 141 GB or the H100's 80 GB. Combine the reports with benchmarks/scale_report.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
+WORK=${WORK:-outputs/scale_x4}
+RESULTS=${RESULTS:-$WORK/results}
+mkdir -p "$RESULTS"
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)  # MiB
+BIG=$((MEM > 100000))
+COMMON=(--work "$WORK" --out "$RESULTS" --steps 5 --warmup 2 --timeout 420)
+
+scale() {  # scale.py with a wall-clock guard: a phase that overruns leaves the others their time
+  local limit=$1; shift
+  echo "### $(date -u +%T) scale.py $*"
+  timeout --kill-after=20 "$limit" python3 benchmarks/scale.py "${COMMON[@]}" "$@" 2>&1 | grep -v "Warning\|warn(" \
+    | tail -40
+}
+
+pack() {
+  [ -n "${OUT:-}" ] || return 0
+  find "$WORK/runs" -name '*.log' -exec sh -c 'tail -60 "$1" > "$1.tail"' _ {} \; 2>/dev/null
+  tar czf "$OUT/scale_x4.tgz" "$RESULTS" $(find "$WORK/runs" -name '*.tail' -o -name '*.result.json' 2>/dev/null)
+}
+
+phase_smoke() {  # tiny shapes on every path the phases take: a failure here costs seconds, not a lease
+  local w=$((GPUS > 1 ? 2 : 1))
+  scale 240 --shape tiny --world-sizes $w --layouts dp+ov,dp+ov+fp8@2048 --label smoke \
+    --hf-configs fsdp2:noreshard:prefetch2,fsdp2:ac:bf16reduce,ddp,ddp:autocast --seq-length 1024 \
+    --micro-batch-tokens 4096 --steps 2 --warmup 1
+  scale 240 --shape tiny_moe --world-sizes $w --layouts ep$w+ov --hf-configs fsdp2 --label smoke-moe \
+    --seq-length 1024 --micro-batch-tokens 4096 --steps 2 --warmup 1
+  if [ "$GPUS" -gt 1 ]; then
+    scale 240 --shape tiny --world-sizes 2 --layouts cp2:fold+recompute,cp2:distinct+recompute --mix full \
+      --seq-length 4096 --micro-batch-tokens 4096 --samples-per-step 1 --hf-samples-per-step 2 \
+      --hf-configs fsdp2:ac@4096 --log-te-backend --label smoke-cp --steps 2 --warmup 1
+  fi
+}
+
+make_dir() {  # the shape's directory where scale.py looks for it, made once before runs that share it start
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from scale_job import \
+make_hf_dir; make_hf_dir('$1', 1234, Path('$WORK/models/$1_seed1234'), 'cuda')"
+}
+
+phase_smoke-real() {  # one GPU: the real shapes' kernels (Liger, grouped experts, TE) on both sides, ~2 min
+  scale 200 --shape llama3_1b --world-sizes 1 --layouts dp+ov@16384,dp+ov+fp8@16384 \
+    --hf-configs ddp@16384,fsdp2:noreshard:prefetch2@16384 --steps 3 --warmup 1 --label smoke-1b
+  scale 200 --shape qwen3_30b_a3b --layers 2 --world-sizes 1 --layouts ep1+ov@8192 --hf-configs fsdp2@8192 \
+    --steps 3 --warmup 1 --label smoke-moe2
+}
+
+phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel against DDP; 1 and 2 GPUs side by side
+  local b=16384
+  make_dir llama3_1b
+  CUDA_VISIBLE_DEVICES=0 scale 300 --shape llama3_1b --world-sizes 1 --sides thdpack --layouts dp+ov@$b \
+    --label 1b-w1-thdpack &
+  CUDA_VISIBLE_DEVICES=1 scale 300 --shape llama3_1b --world-sizes 1 --sides hf --hf-configs ddp@$b,ddp:autocast@$b \
+    --label 1b-w1-hf &
+  CUDA_VISIBLE_DEVICES=2,3 scale 300 --shape llama3_1b --world-sizes 2 --layouts dp+ov@$b \
+    --hf-configs ddp@$b,ddp:autocast@$b --label 1b-w2 &
+  wait
+  scale 300 --shape llama3_1b --world-sizes 4 --layouts dp+ov@$b,dp@$b --hf-configs ddp@$b,ddp:autocast@$b \
+    --label 1b-w4
+}
+
+phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs
+  if [ $BIG = 1 ]; then
+    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@16384,tp2+ov+fp8@16384,tp4@16384 \
+      --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2@8192,fsdp2:noreshard:bf16reduce@8192,fsdp2:ac@16384 \
+      --label 8b
+  else
+    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@8192,tp2+ov+fp8@8192,tp4@16384 \
+      --hf-configs fsdp2@4096,fsdp2:noreshard@4096,fsdp2:noreshard:prefetch2@4096,fsdp2:ac@8192 --label 8b
+  fi
+}
+
+phase_8b-long() {  # the 8B shape, long samples (median 6k tokens, up to 32k), 8 a GPU a step
+  local b=$((BIG ? 32768 : 16384))
+  scale 300 --shape llama3_8b --world-sizes 4 --mix long --seq-length 32768 --samples-per-gpu 8 \
+    --layouts tp2+ov@$b --hf-configs fsdp2:ac@$b,fsdp2:noreshard@$((b / 2)) --label 8b-long --steps 4
+}
+
+phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 4 GPUs
+  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --layouts ep4+ov@8192,ep4@8192 \
+    --hf-configs fsdp2:noreshard@8192,fsdp2@8192 --label moe
+}
+
+phase_ctx() {  # long samples of the 8B: thdpack under context parallelism, transformers one sample a GPU
+  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
+    --samples-per-step 2 --layouts tp2cp2:fold+recompute,tp2cp2:distinct+recompute --sides thdpack \
+    --log-te-backend --label ctx64k-thdpack --steps 3 --warmup 1
+  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
+    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx64k-hf --steps 3 --warmup 1
+  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 131072 --micro-batch-tokens 131072 \
+    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx128k-hf --steps 2 --warmup 1
+  scale 240 --shape llama3_8b --world-sizes 4 --mix full --seq-length 262144 --micro-batch-tokens 262144 \
+    --samples-per-step 1 --layouts tp2cp2:fold+recompute --sides thdpack --label ctx256k-thdpack --steps 2 \
+    --warmup 1
+}
+
+echo "$GPUS GPUs of $MEM MiB; phases: $*"
+for phase in "$@"; do
+  echo "=== $(date -u +%T) phase $phase"
+  "phase_$phase"
+  pack
+done
+echo "=== $(date -u +%T) done"
+ls "$RESULTS"
