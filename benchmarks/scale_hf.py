@@ -171,7 +171,13 @@ def _from_config(config, attention: str, dtype, experts: str | None):
 
     kwargs = {"attn_implementation": attention, "dtype": dtype}
     if experts:
-        kwargs["experts_implementation"] = experts
+        try:
+            return AutoModelForCausalLM.from_config(config, **kwargs, experts_implementation=experts)
+        except (TypeError, ValueError) as error:  # a transformers without it: its default experts, reported
+            print(
+                f"experts_implementation={experts} refused ({error}); transformers' default experts",
+                flush=True,
+            )
     return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
