@@ -6,7 +6,8 @@
 #   bash benchmarks/scale_x4.sh smoke smoke-real      # every code path on tiny shapes, then real ones (one GPU)
 #   bash benchmarks/scale_x4.sh scaling 8b 8b-long    # then moe ctx: the phases of the report
 #
-# Reports land in $RESULTS (default outputs/scale_x4/results); after each phase they and the runs' logs are packed
+# BUDGET_S bounds the whole call (each sweep gets what is left; with --reuse a later call finishes a cut sweep from
+# the runs that ended). Reports land in $RESULTS (default outputs/scale_x4/results); after each phase they and the runs' logs are packed
 # into $OUT/scale_x4.tgz when $OUT is set (the device tool brings back a few files). Token budgets follow the
 # card's memory: the H200's 141 GB or the H100's 80 GB. Combine the reports with benchmarks/scale_report.py.
 set -uo pipefail
@@ -18,19 +19,28 @@ mkdir -p "$RESULTS"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)  # MiB
 BIG=$((MEM > 100000))
-COMMON=(--work "$WORK" --out "$RESULTS" --steps 5 --warmup 2 --timeout 420)
+COMMON=(--work "$WORK" --out "$RESULTS" --steps 5 --warmup 2 --timeout 420 --reuse)
+
+DEADLINE=$(($(date +%s) + ${BUDGET_S:-1000000}))  # BUDGET_S: seconds this call may take (a device call's limit)
 
 scale() {  # scale.py with a wall-clock guard: a phase that overruns leaves the others their time
   local limit=$1; shift
-  echo "### $(date -u +%T) scale.py $*"
-  timeout --kill-after=20 "$limit" python3 benchmarks/scale.py "${COMMON[@]}" "$@" 2>&1 | grep -v "Warning\|warn(" \
-    | tail -40
+  local left=$((DEADLINE - $(date +%s) - 15))
+  if [ "$left" -lt 60 ]; then echo "### skipped (${left} s left): scale.py $*"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local log="$WORK/logs/$(date -u +%H%M%S)-$$-$RANDOM.log"
+  mkdir -p "$WORK/logs"
+  echo "### $(date -u +%T) scale.py $* (log $log)"
+  timeout --kill-after=20 "$limit" python3 -u benchmarks/scale.py "${COMMON[@]}" "$@" > "$log" 2>&1
+  grep -E "^(== |   [0-9]|   transformers|   (out of|failed|skipped))" "$log" | tail -30
 }
 
 pack() {
   [ -n "${OUT:-}" ] || return 0
   find "$WORK/runs" -name '*.log' -exec sh -c 'tail -60 "$1" > "$1.tail"' _ {} \; 2>/dev/null
-  tar czf "$OUT/scale_x4.tgz" "$RESULTS" $(find "$WORK/runs" -name '*.tail' -o -name '*.result.json' 2>/dev/null)
+  tar czf "$OUT/scale_x4.tgz.tmp" "$RESULTS" "$WORK/logs" \
+    $(find "$WORK/runs" -name '*.tail' -o -name '*.result.json' 2>/dev/null) 2>/dev/null
+  mv "$OUT/scale_x4.tgz.tmp" "$OUT/scale_x4.tgz"
 }
 
 phase_smoke() {  # tiny shapes on every path the phases take: a failure here costs seconds, not a lease
@@ -69,18 +79,17 @@ phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel against DD
   CUDA_VISIBLE_DEVICES=2,3 scale 300 --shape llama3_1b --world-sizes 2 --layouts dp+ov@$b \
     --hf-configs ddp@$b,ddp:autocast@$b --label 1b-w2 &
   wait
-  scale 300 --shape llama3_1b --world-sizes 4 --layouts dp+ov@$b,dp@$b --hf-configs ddp@$b,ddp:autocast@$b \
+  scale 300 --shape llama3_1b --world-sizes 4 --layouts dp+ov@$b --hf-configs ddp@$b,ddp:autocast@$b \
     --label 1b-w4
 }
 
 phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs
   if [ $BIG = 1 ]; then
-    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@16384,tp2+ov+fp8@16384,tp4@16384 \
-      --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2@8192,fsdp2:noreshard:bf16reduce@8192,fsdp2:ac@16384 \
-      --label 8b
+    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@16384,tp2+ov+fp8@16384 \
+      --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2:ac@16384 --label 8b
   else
-    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@8192,tp2+ov+fp8@8192,tp4@16384 \
-      --hf-configs fsdp2@4096,fsdp2:noreshard@4096,fsdp2:noreshard:prefetch2@4096,fsdp2:ac@8192 --label 8b
+    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@8192,tp2+ov+fp8@8192 \
+      --hf-configs fsdp2:noreshard@4096,fsdp2:noreshard:prefetch2@4096,fsdp2:ac@8192 --label 8b
   fi
 }
 
@@ -91,28 +100,31 @@ phase_8b-long() {  # the 8B shape, long samples (median 6k tokens, up to 32k), 8
 }
 
 phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 4 GPUs
-  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --layouts ep4+ov@8192,ep4@8192 \
+  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --layouts ep4+ov@8192 \
     --hf-configs fsdp2:noreshard@8192,fsdp2@8192 --label moe
 }
 
 phase_ctx() {  # long samples of the 8B: thdpack under context parallelism, transformers one sample a GPU
+  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 131072 --micro-batch-tokens 131072 \
+    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx128k-hf --steps 2 --warmup 1
   scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
     --samples-per-step 2 --layouts tp2cp2:fold+recompute,tp2cp2:distinct+recompute --sides thdpack \
     --log-te-backend --label ctx64k-thdpack --steps 3 --warmup 1
-  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
-    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx64k-hf --steps 3 --warmup 1
-  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 131072 --micro-batch-tokens 131072 \
-    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx128k-hf --steps 2 --warmup 1
   scale 240 --shape llama3_8b --world-sizes 4 --mix full --seq-length 262144 --micro-batch-tokens 262144 \
     --samples-per-step 1 --layouts tp2cp2:fold+recompute --sides thdpack --label ctx256k-thdpack --steps 2 \
     --warmup 1
+  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
+    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx64k-hf --steps 3 --warmup 1
 }
 
 echo "$GPUS GPUs of $MEM MiB; phases: $*"
+(while sleep 20; do pack; done) &  # a call cut off at its limit still brings back what finished
+packer=$!
 for phase in "$@"; do
   echo "=== $(date -u +%T) phase $phase"
   "phase_$phase"
-  pack
 done
+kill $packer 2>/dev/null
+pack
 echo "=== $(date -u +%T) done"
 ls "$RESULTS"
