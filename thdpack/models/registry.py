@@ -5,7 +5,9 @@ registered at run time (:func:`register_family`).
     family_of(HFCheckpoint.open(DIR))   # by config.json's architectures: model=hf model.pretrained=DIR
     get_family("gpt")                   # by the recipe's model.family (or "package.module:ATTRIBUTE")
 
-Adding a family is adding its module (``thdpack/models/<name>.py`` with ``FAMILY = ...``): no list to edit.
+Adding a family is adding its module (``thdpack/models/<name>.py`` with ``FAMILY = ...``): no list to edit. Every
+module here is imported when the registry is first asked, so a module keeps Megatron and transformers imports inside
+its functions (reading a recipe must stay quick).
 """
 
 from __future__ import annotations
