@@ -92,3 +92,12 @@ def test_a_family_named_by_module_and_attribute_is_found():
 
     assert get_family("gpt") is gpt.FAMILY
     assert get_family("thdpack.models.gpt:FAMILY") is gpt.FAMILY
+
+
+def test_a_family_naming_architectures_must_read_and_write_their_checkpoints():
+    from thdpack.models import ModelFamily, gpt
+
+    with pytest.raises(ValueError, match="family 'half': a Hugging Face architecture's family has"):
+        ModelFamily(
+            name="half", build=gpt.build, forward=gpt.FAMILY.forward, architectures=("HalfForCausalLM",)
+        )

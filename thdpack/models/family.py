@@ -57,8 +57,8 @@ class ModelFamily:
 
     A Hugging Face architecture's family also has:
         architectures: the ``config.json`` ``architectures`` it imports (the registry's key).
-        model_group: :class:`ModelGroup`, ``(reader, seq_length=, tp=) -> group``: ``config.json`` (read through ``reader``, a
-            :class:`~thdpack.hf.config_keys.ConfigReader`) as the recipe's model group: Megatron
+        model_group: :class:`ModelGroup`, ``(reader, seq_length=, tp=) -> group``: ``config.json`` (read
+            through ``reader``, a :class:`~thdpack.hf.config_keys.ConfigReader`) as the recipe's model group: Megatron
             ``TransformerConfig`` settings under ``config``, RoPE, vocabulary, tied embeddings, the family's own
             keys. Raises :class:`~thdpack.hf.checkpoint.HFConfigError` for a value thdpack cannot compute exactly;
             a key it does not read is refused afterwards by the reader unless harmless.
