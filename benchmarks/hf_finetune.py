@@ -179,11 +179,14 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    from thdpack.hf.config import read_hf_config, rope_settings
-    from thdpack.hf.export import hf_state, keep_with_checkpoint
+    from thdpack.hf.checkpoint import HFCheckpoint
+    from thdpack.hf.checkpoint_hf import hf_state
+    from thdpack.hf.config_keys import ConfigReader
+    from thdpack.hf.directory import keep_with_checkpoint
     from thdpack.megatron.checkpoint import save_checkpoint
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.unwrap import unwrap_model
+    from thdpack.models import family_of, llama
     from thdpack.training.loop import recipes_dir, setup_run, train_step
 
     cuda = torch.cuda.is_available()
@@ -243,9 +246,9 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
         ckpt, args.steps, run.model, run.optimizer, run.scheduler, {"data": run.data.state_dict()}
     )
     keep_with_checkpoint(ckpt, run.cfg.model, run.runtime.precision)
-    trained = {
-        k: v.detach().cpu() for k, v in hf_state(unwrap_model(run.model), read_hf_config(directory)).items()
-    }
+    checkpoint = HFCheckpoint.open(directory)
+    mapping, vocab = family_of(checkpoint).mapping, int(checkpoint.config["vocab_size"])
+    trained = {k: v.detach().cpu() for k, v in hf_state(unwrap_model(run.model), mapping, vocab).items()}
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del run
     ps.destroy_model_parallel()
@@ -281,7 +284,7 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     return {
         "model": name,
         "hf_config": {k: v for k, v in kwargs.items()},
-        "rope_as_saved": rope_settings(read_hf_config(directory)),  # (rope_theta, llama3 scaling or None)
+        "rope_as_saved": llama.rope(ConfigReader(checkpoint)),  # (rope_theta, llama3 scaling or None)
         "first_step_loss": {
             "thdpack": thd_loss,
             "transformers": hf_loss,

@@ -201,16 +201,17 @@ def make_hf_dir(shape: str, seed: int, out: Path, device: str = "cpu", layers: i
 
 def thdpack_overrides(hf_dir: Path, device: str) -> list[str]:
     """Recipe overrides that import ``hf_dir`` as a user does: ``model=hf model.pretrained=DIR`` (its
-    config.json builds the model and its weights are loaded under the run's layout, :mod:`thdpack.hf`, which
+    config.json builds the model and its weights are loaded under the run's layout, :mod:`thdpack.models`, which
     refuses what it cannot import exactly). Only the benchmark's one choice that config.json leaves open is added:
     on ``device`` "cuda" a mixture of experts runs as Transformer Engine's grouped GEMM, on a CPU one module
     per expert."""
-    from thdpack.hf.config import read_hf_config
+    from thdpack.hf.checkpoint import HFCheckpoint
 
-    config = read_hf_config(hf_dir)
+    checkpoint = HFCheckpoint.open(hf_dir)
+    config = checkpoint.config
     if config.get("model_type") not in ("llama", "qwen3_moe"):
         raise ValueError(
-            f"{config['_path']}: model_type '{config.get('model_type')}' is not llama or qwen3_moe (the two "
+            f"{checkpoint.path}: model_type '{config.get('model_type')}' is not llama or qwen3_moe (the two "
             "families the transformers side applies Liger's kernels to)"
         )
     overrides = ["model=hf", f"model.pretrained={Path(hf_dir).resolve()}"]

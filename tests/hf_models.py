@@ -181,14 +181,13 @@ def megatron_model(
     directory, seq_length: int = 64, vocab_size: int | None = None, sequence_parallel: bool = False
 ):
     """thdpack's Megatron ``GPTModel`` of an HF directory for this rank's parallel layout (Megatron's parallel
-    state must be initialised), as the training loop's ``hf`` family builds it (weights loaded), torch attention,
+    state must be initialised), as the training loop's family of the checkpoint builds it (weights loaded), torch attention,
     fp32, not wrapped. ``vocab_size``: the model's vocabulary instead of the recipe's (to force padding rows)."""
     from megatron.core import parallel_state as ps
 
-    from thdpack.hf.family import HF
-    from thdpack.hf.pretrained import pretrained_model_group
     from thdpack.megatron.config import transformer_config
     from thdpack.megatron.runtime import Runtime
+    from thdpack.models import get_family, pretrained_model_group
 
     tp = ps.get_tensor_model_parallel_world_size()
     group = pretrained_model_group(
@@ -203,4 +202,5 @@ def megatron_model(
     }
     runtime = Runtime("cpu", "fp32", "torch")
     config = transformer_config(group, parallel, runtime)
-    return HF.build(group, config, vocab_size or group["vocab_size"], seq_length, runtime).eval()
+    family = get_family(group["family"])
+    return family.build(group, config, vocab_size or group["vocab_size"], seq_length, runtime).eval()

@@ -127,20 +127,19 @@ def hf_reference(directory, sample_list) -> Reference:
 
 
 def model_group(directory, seq_length: int, tp: int = 1) -> dict:
-    from thdpack.hf.config import read_hf_config
-    from thdpack.hf.vl_checkpoint import vl_module
+    from thdpack.hf.checkpoint import HFCheckpoint
+    from thdpack.models import model_group as checkpoint_group
 
-    config = read_hf_config(directory)
-    group = vl_module(config).model_group(config, seq_length=seq_length, tp=tp)
+    group = checkpoint_group(HFCheckpoint.open(directory), seq_length=seq_length, tp=tp)
     return {**group, "pretrained": str(directory)}
 
 
 def build(directory, group, parallel: dict, seq_length: int):
     """The VL model (fp32, torch attention, on the CPU) and its TransformerConfig, for the current process
     groups."""
-    from thdpack.hf.vlm_family import build_vlm
     from thdpack.megatron.config import transformer_config
     from thdpack.megatron.runtime import Runtime
+    from thdpack.models import get_family
 
     runtime = Runtime("cpu", "fp32", "torch")
     model_cfg = {
@@ -157,7 +156,7 @@ def build(directory, group, parallel: dict, seq_length: int):
         )
     }
     config = transformer_config(model_cfg, parallel, runtime)
-    model = build_vlm(group, config, int(group["vocab_size"]), seq_length, runtime)
+    model = get_family(group["family"]).build(group, config, int(group["vocab_size"]), seq_length, runtime)
     return model.eval(), config
 
 

@@ -7,8 +7,9 @@ The packer is pure PyTorch on host metadata: :func:`find_segments` reads the rea
 Layers, each a folder that imports only the layers below it: :mod:`thdpack.packing` (the packer, no Megatron
 import), :mod:`thdpack.data` (datasets, collator, loader), :mod:`thdpack.megatron` (the Megatron-core
 integration: batch, step, loss, models, attention, checkpoints, CPU mode; Megatron-core and Transformer Engine
-are imported there only, lazily), :mod:`thdpack.hf` (Hugging Face checkpoints, tokenizers, processors) and
-:mod:`thdpack.training` (the training product). ``python -m thdpack.train``, ``python -m thdpack.compare`` and
+are imported there only, lazily), :mod:`thdpack.hf` (Hugging Face files: checkpoints, the tensor
+mapping engine, tokenizers, processors), :mod:`thdpack.models` (the model families) and :mod:`thdpack.training` (the
+training product). ``python -m thdpack.train``, ``python -m thdpack.compare`` and
 ``python -m thdpack.export`` are the command lines.
 """
 

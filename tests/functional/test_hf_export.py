@@ -146,8 +146,8 @@ def one_rank_megatron(tmp_path):
 
 @pytest.mark.usefixtures("one_rank_megatron")
 def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
-    from thdpack.hf.export import load_checkpoint_model
     from thdpack.megatron.batch import BatchConfig, get_batch
+    from thdpack.models.export import load_checkpoint_model
 
     _, ckpt, out = exported
     gpt = load_checkpoint_model(ckpt / "iter_0000002", ckpt / "hf").eval()

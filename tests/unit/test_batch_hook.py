@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from thdpack.megatron.batch import BatchConfig, get_batch
-from thdpack.megatron.families import GPT, ModelFamily
 from thdpack.megatron.loss import TokenLoss
 from thdpack.megatron.step import make_forward_step
 
@@ -81,11 +80,10 @@ def test_the_step_calls_the_family_forward_and_its_loss(single_rank):
         seen["pixel_sum"] = float(inputs.extra["pixel_values"].sum())
         return inputs.tokens.float()
 
-    family = ModelFamily(name="toy_vlm", build=GPT.build, forward=vision_forward)
     model = SimpleNamespace(config=single_rank)
     step = make_forward_step(
         BatchConfig(carry_keys=("pixel_values", "image_grid_thw")),
-        family=family,
+        forward=vision_forward,
         loss=TokenLoss(key="toy loss"),
     )
     output, loss_func = step(iter([loader_batch()]), model)

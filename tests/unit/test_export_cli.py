@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from thdpack.hf.export import main
+from thdpack.models.export import main
 
 
 def _fails(argv, capsys) -> str:

@@ -1,5 +1,5 @@
-"""thdpack.hf.config: a Hugging Face config.json becomes the recipe's model group, or stops naming the file, line,
-key and rule. Plain dicts as transformers 5 writes them (no model is built here)."""
+"""thdpack.models' model groups: a Hugging Face config.json becomes the recipe's model group, or stops naming the
+file, line, key and rule. Plain dicts as transformers 5 writes them (no model is built here)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from thdpack.hf.config import HFConfigError, model_group, read_hf_config
-from thdpack.hf.pretrained import pretrained_model_group
+from thdpack.hf.checkpoint import HFCheckpoint, HFConfigError
+from thdpack.models import model_group, pretrained_model_group
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -48,12 +48,13 @@ QWEN3_MOE = {
 
 
 def group(hf, seq_length=64, tp=1):
-    return model_group(hf, seq_length=seq_length, tp=tp)
+    checkpoint = hf if isinstance(hf, HFCheckpoint) else HFCheckpoint.from_config(hf)
+    return model_group(checkpoint, seq_length=seq_length, tp=tp)
 
 
-def written(tmp_path, hf) -> dict:
+def written(tmp_path, hf) -> HFCheckpoint:
     (tmp_path / "config.json").write_text(json.dumps(hf, indent=2))
-    return read_hf_config(tmp_path)
+    return HFCheckpoint.open(tmp_path)
 
 
 def test_llama_maps_to_megatron_keys():
@@ -187,4 +188,4 @@ def test_recipe_keys_outside_config_json_override_and_architecture_keys_may_not(
 
 def test_a_directory_without_config_json_is_named(tmp_path):
     with pytest.raises(HFConfigError, match="no config.json there"):
-        read_hf_config(tmp_path)
+        HFCheckpoint.open(tmp_path)

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.hf_models import megatron_model, save_model
+from tests.hf_models import VOCAB, megatron_model, save_model
 
 pytestmark = [pytest.mark.cpu_only]
 
@@ -75,8 +75,8 @@ def te_checkpoint(one_rank_megatron, tmp_path_factory):
     record of a TE run (attention_backend te, moe_grouped_gemm true, bf16)."""
     from megatron.core import dist_checkpointing
 
-    from thdpack.hf.export import keep_with_checkpoint
-    from thdpack.hf.pretrained import pretrained_model_group
+    from thdpack.hf.directory import keep_with_checkpoint
+    from thdpack.models import pretrained_model_group
 
     root = tmp_path_factory.mktemp("te_ckpt")
     source = save_model("qwen3_moe", root / "source")
@@ -140,7 +140,7 @@ def test_megatrons_load_into_the_local_spec_misses_the_te_moe_pre_mlp_layernorm(
 def test_the_export_of_a_te_checkpoint_is_the_hf_tensors_bit_for_bit(te_checkpoint, tmp_path):
     from safetensors.torch import load_file
 
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     source, iteration = te_checkpoint
     out = export_checkpoint(iteration, tmp_path / "out")
@@ -153,12 +153,13 @@ def test_the_export_of_a_te_checkpoint_is_the_hf_tensors_bit_for_bit(te_checkpoi
 
 
 def test_the_model_rebuilt_from_a_te_checkpoint_holds_its_weights(te_checkpoint):
-    from thdpack.hf.config import read_hf_config
-    from thdpack.hf.export import hf_state, load_checkpoint_model
+    from thdpack.hf.checkpoint_hf import hf_state
+    from thdpack.models import qwen3_moe
+    from thdpack.models.export import load_checkpoint_model
 
     source, iteration = te_checkpoint
     gpt = load_checkpoint_model(iteration, iteration.parent / "hf")
-    state = hf_state(gpt, read_hf_config(source))
+    state = hf_state(gpt, qwen3_moe.MAPPING, VOCAB)
     original = hf_bf16(source)
     assert sorted(state) == sorted(original)
     assert [n for n in original if not torch.equal(state[n], original[n])] == []
@@ -204,12 +205,13 @@ def test_a_checkpoint_tensor_without_hf_counterpart_stops_the_export_naming_it(t
     }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target)), no_dist=True)
     (target / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    from thdpack.hf.export import checkpoint_hf_tensors
+    from thdpack.hf.checkpoint_hf import checkpoint_hf_tensors
+    from thdpack.models import qwen3_moe
 
     with pytest.raises(
         ValueError, match=r"tensor 'decoder\.layers\.0\.mlp\.router\.expert_bias' has no Hugging"
     ):
-        checkpoint_hf_tensors(target, tmp_path / "hf")
+        checkpoint_hf_tensors(target, tmp_path / "hf", qwen3_moe.MAPPING, VOCAB)
 
 
 def test_stacked_entries_count_when_whole_are_skipped_when_absent_and_refused_when_partial():

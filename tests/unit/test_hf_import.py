@@ -141,11 +141,15 @@ def test_llama3_scaling_with_its_own_values_gives_transformers_frequencies(hf_di
 def test_import_then_export_gives_back_every_tensor_bitwise(family, hf_dirs):
     from safetensors.torch import load_file
 
-    from thdpack.hf.config import read_hf_config
-    from thdpack.hf.export import hf_state
+    from thdpack.hf.checkpoint import HFCheckpoint
+    from thdpack.hf.checkpoint_hf import hf_state
+    from thdpack.models import family_of
 
+    checkpoint = HFCheckpoint.open(hf_dirs[family])
     original = load_file(str(hf_dirs[family] / "model.safetensors"))
-    exported = hf_state(megatron_model(hf_dirs[family]), read_hf_config(hf_dirs[family]))
+    exported = hf_state(
+        megatron_model(hf_dirs[family]), family_of(checkpoint).mapping, checkpoint.config["vocab_size"]
+    )
     assert sorted(exported) == sorted(original)
     assert [n for n in original if not torch.equal(exported[n], original[n])] == []
 
@@ -204,15 +208,14 @@ def test_a_tied_checkpoint_may_keep_lm_head_only_equal_to_the_embedding(tmp_path
 @pytest.mark.parametrize("load_first", [True, False])
 def test_bf16_weights_must_load_before_the_distributed_optimizer_copies_them(hf_dirs, load_first):
     """Megatron's distributed optimizer takes its fp32 main parameters from the bf16 model at construction:
-    weights loaded later never reach them (and the first update would bring the random ones back). The hf
+    weights loaded later never reach them (and the first update would bring the random ones back). A checkpoint's
     family loads inside its build, before the loop wraps the model and builds the optimizer."""
-    from thdpack.hf.load import load_pretrained
-    from thdpack.hf.pretrained import pretrained_model_group
     from thdpack.megatron.config import transformer_config
     from thdpack.megatron.distributed import wrap_model
-    from thdpack.megatron.families import GPT
     from thdpack.megatron.optimizer import build_optimizer
     from thdpack.megatron.runtime import Runtime
+    from thdpack.models import get_family, gpt, pretrained_model_group
+    from thdpack.models.decoder import load_pretrained
 
     directory = hf_dirs["llama2"]
     group = pretrained_model_group({"pretrained": str(directory)}, seq_length=64, tp=1)
@@ -227,19 +230,18 @@ def test_bf16_weights_must_load_before_the_distributed_optimizer_copies_them(hf_
         1,
     )
     config = transformer_config(group, ones, runtime)
-    module = GPT.build(
-        group, config, group["vocab_size"], 64, runtime
-    )  # the hf family's build, before loading
+    module = gpt.build(group, config, group["vocab_size"], 64, runtime)  # the family's build, before loading
+    mapping = get_family(group["family"]).mapping
     trainer = dict(
         lr=1e-3, min_lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0,
         train_iters=2, lr_warmup_iters=0, lr_decay_style="cosine",
     )  # fmt: skip
     if load_first:
-        load_pretrained(module, directory)
+        load_pretrained(module, mapping, group)
     model = wrap_model(module, config, runtime)
     optimizer, _ = build_optimizer(trainer, model, config)
     if not load_first:
-        load_pretrained(model, directory)
+        load_pretrained(model, mapping, group)
     same = []
     for sub in optimizer.chained_optimizers:
         for params, mains in zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups, strict=True):

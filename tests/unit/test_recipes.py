@@ -79,7 +79,7 @@ def test_hf_recipe_resolves_to_the_transformer_config_of_its_config_json(tmp_pat
     assert (config.num_layers, config.kv_channels, config.qk_layernorm) == (2, 24, True)
     assert config.hidden_dropout == 0.1  # a recipe key config.json does not fix
     assert padded_vocab_size(cfg.model, 259, 2) == 302  # the checkpoint's 301 ids, padded for TP2
-    assert cfg.model.family == "thdpack.hf.family:HF"
+    assert cfg.model.family == "qwen3"  # the family of config.json's architectures
     check_recipe(cfg, world_size=2, device="cpu")
 
 
@@ -96,7 +96,7 @@ def vl_directory(tmp_path):
 def test_hf_recipe_with_a_qwen2_5_vl_directory_resolves_to_the_vl_family_with_mrope(tmp_path):
     overrides = ("model=hf", f"model.pretrained={vl_directory(tmp_path)}", "dataset=embedded_vlm")
     cfg = resolve_recipe(_compose(*overrides), device="cpu")
-    assert cfg.model.family == "thdpack.hf.vlm_family:QWEN2_5_VL" and cfg.model.freeze_vision
+    assert cfg.model.family == "qwen2_5_vl" and cfg.model.freeze_vision
     assert cfg.model.position_embedding_type == "mrope" and cfg.dataset.mrope  # the collator emits MRoPE ids
     config = transformer_config(cfg.model, cfg.parallel, Runtime("cpu", "fp32", "torch"))
     assert list(config.mrope_section) == [2, 3, 3] and config.add_qkv_bias

@@ -79,16 +79,25 @@ def test_first_nonfinite_names_the_micro_batch_from_one():
     assert LM_LOSS.first_nonfinite([{"lm loss": finite}]).item() == 0
 
 
-@pytest.mark.parametrize("name", ["nope", "thdpack.megatron.families:COMMON_MODEL_KEYS"])
+@pytest.mark.parametrize("name", ["nope", "thdpack.models.family:COMMON_MODEL_KEYS"])
 def test_an_unknown_or_wrong_family_is_named(name):
-    from thdpack.megatron.families import get_family
+    from thdpack.models import get_family
 
     with pytest.raises(ValueError, match="model.family"):
         get_family(name)
 
 
 def test_a_family_named_by_module_and_attribute_is_found():
-    from thdpack.megatron.families import GPT, get_family
+    from thdpack.models import get_family, gpt
 
-    assert get_family("gpt") is GPT
-    assert get_family("thdpack.megatron.families:GPT") is GPT
+    assert get_family("gpt") is gpt.FAMILY
+    assert get_family("thdpack.models.gpt:FAMILY") is gpt.FAMILY
+
+
+def test_a_family_naming_architectures_must_read_and_write_their_checkpoints():
+    from thdpack.models import ModelFamily, gpt
+
+    with pytest.raises(ValueError, match="family 'half': a Hugging Face architecture's family has"):
+        ModelFamily(
+            name="half", build=gpt.build, forward=gpt.FAMILY.forward, architectures=("HalfForCausalLM",)
+        )

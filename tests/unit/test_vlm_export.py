@@ -37,7 +37,7 @@ def save(state: dict, ckpt, group: dict, iteration: int = 1):
     ``hf/`` as the training loop keeps it."""
     from megatron.core import dist_checkpointing
 
-    from thdpack.hf.export import keep_with_checkpoint
+    from thdpack.hf.directory import keep_with_checkpoint
 
     path = ckpt / f"iter_{iteration:07d}"
     path.mkdir(parents=True)
@@ -86,7 +86,7 @@ def bitwise_differences(a: dict, b: dict) -> list[str]:
 
 
 def test_import_then_export_gives_back_every_tensor_of_the_source_bit_for_bit(case, tmp_path):
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     source, _, _, iteration = case
     out = export_checkpoint(iteration, tmp_path / "out")
@@ -102,7 +102,7 @@ def test_import_then_export_gives_back_every_tensor_of_the_source_bit_for_bit(ca
 def test_transformers_loads_the_export_with_no_missing_or_unexpected_key(case, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     source, _, _, iteration = case
     out = export_checkpoint(iteration, tmp_path / "out")
@@ -124,7 +124,7 @@ def without_vision(state: dict) -> dict:
 
 
 def test_a_frozen_tower_absent_from_the_checkpoint_is_copied_from_the_source(case, tmp_path):
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     source, group, state, _ = case
     iteration = save(without_vision(state), tmp_path / "ckpt", group)
@@ -135,7 +135,7 @@ def test_a_frozen_tower_absent_from_the_checkpoint_is_copied_from_the_source(cas
 
 
 def test_a_frozen_tower_absent_from_the_checkpoint_and_a_gone_source_stop_the_export(case, tmp_path):
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     source, group, state, _ = case
     copy = tmp_path / "source"
@@ -150,7 +150,7 @@ def test_a_frozen_tower_absent_from_the_checkpoint_and_a_gone_source_stop_the_ex
 
 
 def test_a_trained_tower_absent_from_the_checkpoint_stops_the_export(case, tmp_path):
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     _, group, state, _ = case
     iteration = save(without_vision(state), tmp_path / "ckpt", group | {"freeze_vision": False})
@@ -161,7 +161,7 @@ def test_a_trained_tower_absent_from_the_checkpoint_stops_the_export(case, tmp_p
 def test_a_checkpoint_tensor_the_source_did_not_have_stops_the_export_naming_it(case, tmp_path):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     _, group, state, _ = case
     extra = ShardedTensor.from_rank_offsets("visual.extra.weight", torch.ones(3))
@@ -173,7 +173,7 @@ def test_a_checkpoint_tensor_the_source_did_not_have_stops_the_export_naming_it(
 
 
 def test_a_source_tensor_the_checkpoint_does_not_give_stops_the_export_naming_it(case, tmp_path):
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     _, group, state, _ = case
     iteration = save(state, tmp_path / "ckpt", group)
@@ -192,7 +192,7 @@ def test_a_chained_optimizers_state_is_not_exported(case, tmp_path):
     ``chained_<i>.optimizer.*``, beside the model, and is no tensor of the model."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from thdpack.hf.export import export_checkpoint
+    from thdpack.models.export import export_checkpoint
 
     source, group, state, _ = case
     key = "chained_1.optimizer.state.exp_avg.language_model.decoder.final_layernorm.weight"

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tests.vlm_models import tiny_vl  # noqa: F401 - the session's model directory
-from thdpack.hf.qwen2_5_vl import load_vision_tower, model_group, qwen2_config
+from thdpack.hf.checkpoint import HFCheckpoint
 from thdpack.megatron.vlm import vlm_batch_transform
+from thdpack.models import model_group
+from thdpack.models.qwen2_5_vl import load_vision_tower, qwen2_config
 
 
 @pytest.fixture(scope="module")
@@ -57,32 +59,26 @@ def test_a_vision_tensor_of_another_shape_is_named(directory, tmp_path):
 
 
 def test_the_model_group_is_the_qwen2_group_with_mrope_and_the_vl_family(directory):
-    from thdpack.hf.config import read_hf_config
-
-    config = read_hf_config(directory)
-    group = model_group(config, seq_length=256)
-    assert (
-        group["family"] == "thdpack.hf.vlm_family:QWEN2_5_VL" and group["position_embedding_type"] == "mrope"
-    )
+    checkpoint = HFCheckpoint.open(directory)
+    group = model_group(checkpoint, seq_length=256)
+    assert group["family"] == "qwen2_5_vl" and group["position_embedding_type"] == "mrope"
     assert group["config"]["mrope_section"] == [2, 3, 3] and group["config"]["add_qkv_bias"]
     assert group["freeze_vision"] is True
-    assert qwen2_config(config)["architectures"] == ["Qwen2ForCausalLM"]
+    assert qwen2_config(checkpoint)["architectures"] == ["Qwen2ForCausalLM"]
 
 
 def test_a_flat_released_config_reads_as_the_nested_one(directory):
     """Released checkpoints keep the text keys at the top level and the sections under rope_scaling."""
-    from thdpack.hf.config import read_hf_config
-
-    nested = read_hf_config(directory)
-    text = nested["text_config"]
+    nested = HFCheckpoint.open(directory)
+    text = nested.config["text_config"]
     rope = text["rope_parameters"]
-    flat = {k: v for k, v in nested.items() if k not in ("text_config", "_text")}
+    flat = {k: v for k, v in nested.config.items() if k != "text_config"}
     flat.update({k: v for k, v in text.items() if k != "rope_parameters"})
     flat.update(
         rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}
     )
-    flat["_text"] = json.dumps(flat)
-    assert model_group(flat, seq_length=256) == model_group(nested, seq_length=256)
+    flat_group = model_group(HFCheckpoint.from_config(flat), seq_length=256)
+    assert flat_group == model_group(nested, seq_length=256)
 
 
 def test_a_micro_batch_without_images_gets_empty_image_keys():
@@ -98,15 +94,14 @@ def test_patches_that_do_not_match_the_grids_are_refused():
 
 def test_the_vl_family_builds_the_checkpoints_model_and_owns_its_loading(directory):
     """The registry resolves the group's family to the vision-language one: its build loads the checkpoint
-    itself (the hf family's text loader would refuse the vision tensors)."""
-    from thdpack.hf.pretrained import pretrained_model_group
-    from thdpack.megatron.families import get_family
+    itself (the text families' loader would refuse the vision tensors)."""
+    from thdpack.models import get_family, pretrained_model_group
 
     family = get_family(
         pretrained_model_group({"pretrained": str(directory)}, seq_length=256, tp=1)["family"]
     )
     assert family.name == "qwen2_5_vl" and family.carry_keys == ("pixel_values", "image_grid_thw")
-    assert family.build.__module__ == "thdpack.hf.vlm_family"
+    assert family.build.__module__ == "thdpack.models.vl"
 
 
 # Qwen3-VL: the same pieces, and what is its own (Qwen3 import, DeepStack, interleaved MRoPE, refusals).
@@ -116,7 +111,7 @@ from tests.vlm_models import tiny_qwen3_vl  # noqa: E402, F401 - the session's Q
 def test_the_qwen3_vl_vision_tower_with_its_deepstack_mergers_equals_the_checkpoints_tensors(tiny_qwen3_vl):  # noqa: F811
     from safetensors.torch import load_file
 
-    from thdpack.hf.qwen3_vl import load_vision_tower as load_qwen3_vision_tower
+    from thdpack.models.qwen3_vl import load_vision_tower as load_qwen3_vision_tower
 
     tensors = load_file(tiny_qwen3_vl / "model.safetensors")
     visual = load_qwen3_vision_tower(tiny_qwen3_vl)
@@ -127,14 +122,12 @@ def test_the_qwen3_vl_vision_tower_with_its_deepstack_mergers_equals_the_checkpo
 
 
 def test_the_qwen3_vl_model_group_is_the_qwen3_group_with_mrope_and_its_family(tiny_qwen3_vl):  # noqa: F811
-    from thdpack.hf.config import read_hf_config
-    from thdpack.hf.pretrained import pretrained_model_group
-    from thdpack.hf.qwen3_vl import deepstack_layers, qwen3_config
-    from thdpack.megatron.families import get_family
+    from thdpack.models import get_family, pretrained_model_group
+    from thdpack.models.qwen3_vl import deepstack_layers, qwen3_config
 
-    config = read_hf_config(tiny_qwen3_vl)
+    config = HFCheckpoint.open(tiny_qwen3_vl)
     group = pretrained_model_group({"pretrained": str(tiny_qwen3_vl)}, seq_length=256, tp=1)
-    assert group["family"] == "thdpack.hf.vlm_family:QWEN3_VL" and group["position_embedding_type"] == "mrope"
+    assert group["family"] == "qwen3_vl" and group["position_embedding_type"] == "mrope"
     assert group["config"]["qk_layernorm"] and not group["config"]["add_qkv_bias"]
     assert group["config"]["kv_channels"] == 32 and group["config"]["mrope_section"] == [6, 5, 5]
     assert qwen3_config(config)["architectures"] == ["Qwen3ForCausalLM"]
@@ -144,31 +137,30 @@ def test_the_qwen3_vl_model_group_is_the_qwen3_group_with_mrope_and_its_family(t
 
 
 def test_an_unknown_vision_language_architecture_is_refused_naming_it(tiny_qwen3_vl, tmp_path):  # noqa: F811
-    from thdpack.hf.config import HFConfigError
-    from thdpack.hf.pretrained import pretrained_model_group
+    from thdpack.hf.checkpoint import HFConfigError
+    from thdpack.models import pretrained_model_group
 
     config = json.loads((tiny_qwen3_vl / "config.json").read_text())
     config.update(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         HFConfigError,
-        match=r"architectures \['Qwen2VLForConditionalGeneration'\] has a vision_config but no "
-        r"vision-language family: thdpack supports \['Qwen2_5_VLForConditionalGeneration', "
-        r"'Qwen3VLForConditionalGeneration', 'Qwen3VLMoeForConditionalGeneration'\]",
+        match=r"config.json:\d+: key 'architectures' is \['Qwen2VLForConditionalGeneration'\]: thdpack imports "
+        r"exactly one of \[.*'Qwen2_5_VLForConditionalGeneration', .*'Qwen3VLForConditionalGeneration', "
+        r"'Qwen3VLMoeForConditionalGeneration'\]",
     ):
         pretrained_model_group({"pretrained": str(tmp_path)}, seq_length=256, tp=1)
 
 
 def test_more_deepstack_layers_than_decoder_layers_are_refused(tiny_qwen3_vl):  # noqa: F811
-    from thdpack.hf.config import HFConfigError, read_hf_config
-    from thdpack.hf.qwen3_vl import model_group as qwen3_group
+    from thdpack.hf.checkpoint import HFConfigError
 
-    config = read_hf_config(tiny_qwen3_vl)
+    config = dict(HFCheckpoint.open(tiny_qwen3_vl).config)
     config["vision_config"] = {**config["vision_config"], "deepstack_visual_indexes": [0, 1, 2, 2]}
     with pytest.raises(
         HFConfigError, match=r"deepstack_visual_indexes \[0, 1, 2, 2\].*at most num_hidden_layers"
     ):
-        qwen3_group(config, seq_length=256)
+        model_group(HFCheckpoint.from_config(config), seq_length=256)
 
 
 def test_a_qwen3_vl_chat_with_a_video_is_refused_naming_the_sample_and_the_rule(tiny_qwen3_vl):  # noqa: F811

@@ -12,7 +12,7 @@ import torch
 
 from tests.vlm_models import released_orientation, tiny_qwen3_vl_moe  # noqa: F401 - the session's model directory
 from tests.vlm_parity import _owners, build, mixed_chats, model_group, samples, thdpack_forward
-from thdpack.hf.config import HFConfigError
+from thdpack.hf.checkpoint import HFConfigError
 from thdpack.hf.processor import VLProcessor
 
 SEQ = 256
@@ -94,8 +94,8 @@ def test_every_token_goes_to_the_experts_transformers_picks_in_every_layer(
 
 
 def fused_reader(directory):
+    from thdpack.hf.checkpoint import SafetensorsReader
     from thdpack.hf.fused_experts import FusedExpertsReader
-    from thdpack.hf.load import SafetensorsReader
     from thdpack.hf.vl_checkpoint import LanguageModelReader
 
     return FusedExpertsReader(LanguageModelReader(SafetensorsReader(directory)), 4, 64, 48)
@@ -128,8 +128,8 @@ def test_both_fused_expert_orientations_read_as_the_same_per_expert_weights(tiny
 def test_fused_experts_of_another_shape_are_refused_naming_the_layer_and_both_orientations(
     tiny_qwen3_vl_moe,  # noqa: F811
 ):
+    from thdpack.hf.checkpoint import SafetensorsReader
     from thdpack.hf.fused_experts import FusedExpertsReader
-    from thdpack.hf.load import SafetensorsReader
     from thdpack.hf.vl_checkpoint import LanguageModelReader
 
     with pytest.raises(
@@ -231,8 +231,7 @@ def test_source_shapes_of_neither_orientation_stop_the_fusing_naming_the_tensor_
 
 
 def test_the_model_group_is_the_qwen3_moe_group_with_mrope_and_its_family(tiny_qwen3_vl_moe):  # noqa: F811
-    from thdpack.hf.pretrained import pretrained_model_group
-    from thdpack.megatron.families import get_family
+    from thdpack.models import get_family, pretrained_model_group
 
     group = pretrained_model_group({"pretrained": str(tiny_qwen3_vl_moe)}, seq_length=SEQ, tp=1)
     config = group["config"]
@@ -269,7 +268,7 @@ def test_what_megatron_cannot_reproduce_is_refused_naming_the_key(
     edit,
     message,
 ):
-    from thdpack.hf.pretrained import pretrained_model_group
+    from thdpack.models import pretrained_model_group
 
     config = json.loads((tiny_qwen3_vl_moe / "config.json").read_text())
     config["text_config"].update(edit)
@@ -281,7 +280,8 @@ def test_what_megatron_cannot_reproduce_is_refused_naming_the_key(
 def test_the_released_qwen3_vl_30b_a3b_config_maps_to_megatrons_moe():
     """Qwen/Qwen3-VL-30B-A3B-Instruct's config.json as released (transformers 4.57's keys: rope_scaling beside
     rope_theta, num_experts, norm_topk_prob)."""
-    from thdpack.hf.qwen3_vl_moe import model_group as moe_group
+    from thdpack.hf.checkpoint import HFCheckpoint
+    from thdpack.models import model_group
 
     text = dict(
         attention_bias=False, attention_dropout=0.0, bos_token_id=151643, decoder_sparse_step=1, dtype="bfloat16",
@@ -303,7 +303,7 @@ def test_the_released_qwen3_vl_30b_a3b_config_maps_to_megatrons_moe():
         text_config=text, tie_word_embeddings=False, transformers_version="4.57.0.dev0", video_token_id=151656,
         vision_config=vision, vision_end_token_id=151653, vision_start_token_id=151652,
     )  # fmt: skip
-    group = moe_group(config, seq_length=4096, tp=2)
+    group = model_group(HFCheckpoint.from_config(config), seq_length=4096, tp=2)
     moe = {k: group["config"][k] for k in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")}
     assert moe == {"num_moe_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768}
     assert group["config"]["mrope_section"] == [24, 20, 20] and group["rotary_base"] == 5000000.0

@@ -71,14 +71,19 @@ def qwen3_inputs(tiny_qwen3_vl, one_rank_megatron):  # noqa: F811
 def test_qwen3_vl_parity_fails_without_deepstack_or_interleaved_mrope(qwen3_inputs, ablation, monkeypatch):
     """The parity check above can fail: dropping the DeepStack features, or rotating with Qwen2.5-VL's contiguous
     MRoPE sections, moves the image samples' logits far past 1e-4 (measured 3.6 and 0.25)."""
-    import thdpack.hf.qwen3_vl as qwen3_vl
     import thdpack.megatron.deepstack as deepstack
+    import thdpack.megatron.vlm as vlm
 
     if ablation == "no_deepstack":
         addend = deepstack.deepstack_addend
         monkeypatch.setattr(deepstack, "deepstack_addend", lambda *args: addend(*args) * 0)
     else:
-        monkeypatch.setattr(qwen3_vl, "MROPE_INTERLEAVED", False)
+        build_language_model = vlm.build_language_model
+
+        def contiguous(*args, mrope_interleaved, **kwargs):
+            return build_language_model(*args, mrope_interleaved=False, **kwargs)
+
+        monkeypatch.setattr(vlm, "build_language_model", contiguous)
     directory, batch, reference = qwen3_inputs
     parallel = dict(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,

@@ -1,20 +1,20 @@
 """A thdpack checkpoint's language model as Hugging Face tensors: the run's Megatron config from its ``hf/``
-directory, and the checkpoint's ``GPTModel`` tensors mapped to HF names (:mod:`thdpack.hf.mapping`), as saved
-(dtype, bits). Used by the text export (:mod:`thdpack.hf.export`) and the VL one (:mod:`thdpack.hf.vl_export`)."""
+directory, and the checkpoint's ``GPTModel`` tensors mapped to HF names by the family's mapping
+(:mod:`thdpack.hf.mapping`), as saved (dtype, bits). Used by the text families' export
+(:mod:`thdpack.models.decoder`) and the VL one (:mod:`thdpack.hf.vl_export`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from .config import read_hf_config
 from .dist_checkpoint import checkpoint_tensors
-from .mapping import VOCAB, Dims, active_rules, expected_hf_names, features, match_name, to_hf
+from .mapping import VOCAB, Dims, Rule, active_rules, expected_hf_names, match_name, megatron_to_hf, to_hf
 
-__all__ = ["checkpoint_hf_tensors", "gpt_hf_tensors", "run_config"]
+__all__ = ["checkpoint_hf_tensors", "gpt_hf_tensors", "hf_state", "run_config"]
 
 
 def run_config(hf_dir: str | Path):
@@ -41,15 +41,33 @@ def run_config(hf_dir: str | Path):
     return config, bool(model.get("share_embeddings_and_output_weights")), model
 
 
-def checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> dict[str, torch.Tensor]:
+def _dims(config, vocab: int) -> Dims:
+    return Dims(
+        config.num_attention_heads,
+        config.num_query_groups or config.num_attention_heads,
+        config.kv_channels,
+        int(vocab),
+    )
+
+
+def hf_state(gpt, mapping: Iterable[Rule], vocab: int) -> dict[str, torch.Tensor]:
+    """The HF tensors of a whole Megatron ``GPTModel`` (one rank holding every layer and expert) by the family's
+    ``mapping``; ``vocab``: config.json's ``vocab_size`` (rows past it are Megatron's padding, dropped)."""
+    rules = active_rules(mapping, bool(gpt.share_embeddings_and_output_weights))
+    return megatron_to_hf(gpt.state_dict(), rules, _dims(gpt.config, vocab))
+
+
+def checkpoint_hf_tensors(
+    iteration_dir: str | Path, hf_dir: str | Path, mapping: Iterable[Rule], vocab: int
+) -> dict[str, torch.Tensor]:
     """The HF tensors of the model in the distributed checkpoint ``iteration_dir``, as saved (dtype, bits),
-    for the run whose ``hf/`` directory is ``hf_dir``. A checkpoint tensor without an HF counterpart, or an HF
-    tensor the checkpoint does not give, stops it, naming both."""
+    for the run whose ``hf/`` directory is ``hf_dir``, by the family's ``mapping`` (``vocab``: config.json's
+    ``vocab_size``). A checkpoint tensor without an HF counterpart, or an HF tensor the checkpoint does not give,
+    stops it, naming both."""
     iteration_dir = Path(iteration_dir)
     config, tied, _ = run_config(hf_dir)
-    vocab = int(read_hf_config(hf_dir)["vocab_size"])
-    rules = active_rules(features(config, tied))
-    out = gpt_hf_tensors(checkpoint_tensors(iteration_dir), config, tied, vocab, iteration_dir, hf_dir)
+    rules = active_rules(mapping, tied)
+    out = gpt_hf_tensors(checkpoint_tensors(iteration_dir), rules, config, vocab, iteration_dir, hf_dir)
     missing = sorted(expected_hf_names(rules, config.num_layers, config.num_moe_experts or 0) - set(out))
     if missing:
         raise ValueError(
@@ -61,8 +79,8 @@ def checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> dict
 
 def gpt_hf_tensors(
     tensors: Mapping[str, torch.Tensor],
+    rules: tuple[Rule, ...],
     config,
-    tied: bool,
     vocab: int,
     iteration_dir,
     hf_dir,
@@ -70,21 +88,16 @@ def gpt_hf_tensors(
 ) -> dict[str, torch.Tensor]:
     """The HF tensors (text-model names) of a ``GPTModel``'s checkpoint ``tensors`` (names as
     :func:`~thdpack.hf.dist_checkpoint.checkpoint_tensors` gives them; ``prefix``: the GPTModel's, as written in
-    errors). A tensor without an HF counterpart, or two giving one HF tensor, stops it, naming them."""
-    rules = active_rules(features(config, tied))
-    dims = Dims(
-        config.num_attention_heads,
-        config.num_query_groups or config.num_attention_heads,
-        config.kv_channels,
-        vocab,
-    )
+    errors) by ``rules`` (the family's mapping for its tied or untied embeddings: :func:`~thdpack.hf.mapping.
+    active_rules`). A tensor without an HF counterpart, or two giving one HF tensor, stops it, naming them."""
+    dims = _dims(config, vocab)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         m = match_name(name, rules)
         if m is None:
             raise ValueError(
                 f"{iteration_dir}: the checkpoint's tensor '{prefix}{name}' has no Hugging Face counterpart in "
-                f"thdpack.hf.mapping.RULES for this model ({Path(hf_dir) / 'thdpack.json'})"
+                f"the family's mapping for this model ({Path(hf_dir) / 'thdpack.json'})"
             )
         if m.rule.kind == VOCAB and tensor.shape[0] < dims.vocab:
             raise ValueError(

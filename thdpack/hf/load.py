@@ -1,7 +1,8 @@
-"""Load a Hugging Face checkpoint into this rank's Megatron-core model chunk(s).
+"""Load a Hugging Face checkpoint's tensors into this rank's Megatron-core ``GPTModel`` chunk by a family's mapping.
 
-    module = GPT.build(group, config, vocab_size, seq_length, runtime)   # group: thdpack.hf.config
-    load_pretrained(module, "path/to/hf_dir")   # before the optimizer takes its fp32 copies (thdpack.hf.family)
+    loaded = load_weights(gpt, checkpoint.tensors(), family.mapping, vocab)   # thdpack.models.decoder
+    set_rotary_frequencies(gpt, group["rotary_base"], group["rope_scaling"])
+    never_predict_padding(gpt, vocab)
 
 Each rank opens the safetensors files memory-mapped (``safe_open``) and reads only the rows and columns it holds
 (``get_slice``): its pipeline stage's layers, its experts, its tensor-parallel slice. No rank materialises the
@@ -17,95 +18,23 @@ stops the load, naming the key, the file and the rule. Checked against transform
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from .config import read_hf_config, rope_settings
 from .mapping import (
     VOCAB,
     Dims,
+    Rule,
     Shard,
     active_rules,
     expected_hf_names,
-    features,
     hf_shapes,
     match_name,
     to_megatron,
 )
 
-__all__ = ["SafetensorsReader", "load_pretrained", "never_predict_padding", "set_rotary_frequencies"]
-
-
-class SafetensorsReader:
-    """The tensors of an HF directory (``model.safetensors``, or shards listed in
-    ``model.safetensors.index.json``), opened memory-mapped on first use; reads return only the asked slice."""
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        single = self.directory / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
-            self.files = {name: self.directory / file for name, file in weight_map.items()}
-        elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
-        else:
-            found = sorted(p.name for p in self.directory.glob("*.bin"))
-            raise ValueError(
-                f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
-                + (f" (found {found}: thdpack reads weights through safetensors only)" if found else "")
-            )
-        self._open: dict[Path, object] = {}
-
-    def names(self) -> set[str]:
-        return set(self.files)
-
-    def _slice(self, name: str):
-        from safetensors import safe_open
-
-        path = self.files[name]
-        if path not in self._open:
-            if not path.is_file():
-                raise ValueError(f"{path} (listed for '{name}' in the index) does not exist")
-            self._open[path] = safe_open(path, framework="pt")
-        try:
-            return self._open[path].get_slice(name)
-        except Exception as e:  # safetensors raises its own error type for a missing name
-            raise ValueError(f"{path} does not hold '{name}' although the index says so") from e
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
-
-    def read(self, name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
-        part = self._slice(name)
-        return part[rows] if len(part.get_shape()) == 1 else part[rows, cols]
-
-    def where(self, name: str) -> str:
-        return str(self.files[name])
-
-
-def load_pretrained(model, directory: str | Path) -> int:
-    """Load ``directory``'s weights into ``model`` (this rank's chunk, or a list of chunks; DDP / Float16Module
-    wrappers are looked through), set its RoPE frequencies and mask its padded vocabulary rows. Returns the
-    number of tensors loaded on this rank."""
-    from thdpack.megatron.unwrap import unwrap_model
-
-    hf = read_hf_config(directory)
-    reader = SafetensorsReader(directory)
-    loaded = 0
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
-        gpt = unwrap_model(chunk)
-        loaded += load_weights(gpt, reader, hf)
-        set_rotary_frequencies(gpt, hf)
-        never_predict_padding(gpt, int(hf["vocab_size"]))
-    return loaded
+__all__ = ["inverse_frequencies", "load_weights", "never_predict_padding", "set_rotary_frequencies"]
 
 
 def _parallel() -> dict[str, int]:
@@ -121,11 +50,14 @@ def _parallel() -> dict[str, int]:
     }
 
 
-def load_weights(gpt, reader: SafetensorsReader, hf: dict) -> int:
-    """Copy this rank's slice of every checkpoint tensor into ``gpt`` (a bare ``GPTModel`` chunk)."""
+def load_weights(gpt, reader, mapping: Iterable[Rule], vocab: int) -> int:
+    """Copy this rank's slice of every checkpoint tensor into ``gpt`` (a bare ``GPTModel`` chunk) by the family's
+    ``mapping``; ``reader``: the checkpoint's tensors (``names``, ``shape``, ``read(name, rows, cols)``,
+    ``where``: :class:`~thdpack.hf.checkpoint.SafetensorsReader`); ``vocab``: config.json's ``vocab_size``.
+    Returns the number of tensors loaded."""
     config = gpt.config
     tied = bool(gpt.share_embeddings_and_output_weights)
-    rules = active_rules(features(config, tied))
+    rules = active_rules(mapping, tied)
     experts = config.num_moe_experts or 0
     expected = expected_hf_names(rules, config.num_layers, experts)
     present = reader.names()
@@ -148,7 +80,7 @@ def load_weights(gpt, reader: SafetensorsReader, hf: dict) -> int:
         config.num_attention_heads,
         config.num_query_groups or config.num_attention_heads,
         config.kv_channels,
-        int(hf["vocab_size"]),
+        int(vocab),
     )
     layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
     expert_offset = par["ep_rank"] * (experts // par["ep_size"]) if experts else 0
@@ -160,7 +92,7 @@ def load_weights(gpt, reader: SafetensorsReader, hf: dict) -> int:
             m = match_name(name, rules, layer_offset, expert_offset)
             if m is None:
                 raise ValueError(
-                    f"the model's tensor '{name}' has no Hugging Face counterpart (thdpack.hf.mapping.RULES): "
+                    f"the model's tensor '{name}' has no Hugging Face counterpart (the family's mapping): "
                     "a model setting beyond what config.json describes?"
                 )
             shard = (
@@ -209,12 +141,13 @@ def inverse_frequencies(rope, theta: float, scaling: dict | None) -> torch.Tenso
     return inv
 
 
-def set_rotary_frequencies(gpt, hf: dict) -> None:
-    """Give ``gpt``'s rotary embedding the checkpoint's frequencies (rope_theta as a float, Llama 3 scaling)."""
+def set_rotary_frequencies(gpt, theta: float, scaling: Mapping | None) -> None:
+    """Give ``gpt``'s rotary embedding the checkpoint's frequencies: ``theta`` (the model group's
+    ``rotary_base``) and Llama 3 ``scaling`` (its ``rope_scaling``, or None)."""
     rope = getattr(gpt, "rotary_pos_emb", None)
     if rope is None:
         return
-    inv = inverse_frequencies(rope, *rope_settings(hf))
+    inv = inverse_frequencies(rope, float(theta), dict(scaling) if scaling else None)
     rope.inv_freq = inv.to(rope.inv_freq.device)
     type(rope).forward.cache_clear()  # RotaryEmbedding.forward is an lru_cache over (module, lengths)
 

@@ -1,6 +1,7 @@
-"""The Hugging Face <-> Megatron-core tensor mapping, as data, and the conversion written once for both ways.
+"""The Hugging Face <-> Megatron-core tensor mapping engine, written once for every family and both ways.
 
-One :class:`Rule` per Megatron tensor: its name in the built model (alternatives where Megatron's layer specs
+A family declares its mapping as data (``mapping`` of :class:`thdpack.models.family.ModelFamily`): one
+:class:`Rule` per Megatron tensor: its name in the built model (alternatives where Megatron's layer specs
 differ: the local/torch spec's ``input_layernorm.weight`` is Transformer Engine's fused
 ``self_attention.linear_qkv.layer_norm_weight``; ``SequentialMLP``'s ``experts.local_experts.{e}.linear_fc1.weight``
 is grouped GEMM's ``experts.linear_fc1.weight{e}``), the HF tensors it is made of, and its kind:
@@ -21,6 +22,7 @@ a pipeline stage its own layers. Facts from Megatron-Bridge (``models/{llama,qwe
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -28,30 +30,41 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "RULES",
+    "GATED",
+    "HF_EXPERT",
+    "HF_LAYER",
+    "LAYER",
+    "QKV",
+    "REPLICATED",
+    "ROW",
+    "VOCAB",
     "Dims",
     "Match",
     "Rule",
     "Shard",
+    "active_rules",
     "expected_hf_names",
     "hf_shapes",
     "match_name",
+    "megatron_to_hf",
     "to_hf",
     "to_megatron",
 ]
 
 REPLICATED, VOCAB, QKV, GATED, ROW = "replicated", "vocab", "qkv", "gated", "row"
 
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-_E = _H + "mlp.experts.{expert}."
+# The name prefixes a rule writes its per-layer (per-expert) tensors with.
+LAYER = "decoder.layers.{layer}."
+HF_LAYER = "model.layers.{layer}."
+HF_EXPERT = HF_LAYER + "mlp.experts.{expert}."
 
 
 @dataclass(frozen=True)
 class Rule:
     """One Megatron tensor. ``megatron``: its names (alternatives, one per layer spec) with ``{layer}`` and
     ``{expert}`` placeholders; ``hf``: the HF tensors it is made of, in order; ``kind``: how they combine and
-    split (module docstring); ``when``: the model feature it exists with (:func:`features`)."""
+    split (module docstring); ``when``: ``always``, or ``tied`` / ``untied`` for a tensor that exists with tied
+    embeddings or without (:func:`active_rules`)."""
 
     megatron: tuple[str, ...]
     hf: tuple[str, ...]
@@ -63,81 +76,10 @@ class Rule:
         return "{expert}" in self.hf[0]
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VOCAB),
-    Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), REPLICATED),
-    Rule(("output_layer.weight",), ("lm_head.weight",), VOCAB, when="untied"),
-    # tied: the last pipeline stage's copy of the embedding (absent with one stage)
-    Rule(("output_layer.weight",), ("model.embed_tokens.weight",), VOCAB, when="tied"),
-    Rule(
-        (_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"),
-        (_H + "input_layernorm.weight",),
-        REPLICATED,
-    ),
-    Rule(
-        (_L + "self_attention.linear_qkv.weight",),
-        tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"),
-        QKV,
-    ),
-    Rule(
-        (_L + "self_attention.linear_qkv.bias",),
-        tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"),
-        QKV,
-        when="qkv_bias",
-    ),
-    Rule(
-        (_L + "self_attention.q_layernorm.weight",), (_H + "self_attn.q_norm.weight",), REPLICATED, "qk_norm"
-    ),
-    Rule(
-        (_L + "self_attention.k_layernorm.weight",), (_H + "self_attn.k_norm.weight",), REPLICATED, "qk_norm"
-    ),
-    Rule((_L + "self_attention.linear_proj.weight",), (_H + "self_attn.o_proj.weight",), ROW),
-    Rule(
-        (_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
-        (_H + "post_attention_layernorm.weight",),
-        REPLICATED,
-    ),
-    Rule(
-        (_L + "mlp.linear_fc1.weight",),
-        (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-        GATED,
-        "dense",
-    ),
-    Rule((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",), ROW, "dense"),
-    Rule((_L + "mlp.router.weight",), (_H + "mlp.gate.weight",), REPLICATED, "moe"),
-    Rule(
-        (
-            _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-            _L + "mlp.experts.linear_fc1.weight{expert}",
-        ),
-        (_E + "gate_proj.weight", _E + "up_proj.weight"),
-        GATED,
-        "moe",
-    ),
-    Rule(
-        (
-            _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-            _L + "mlp.experts.linear_fc2.weight{expert}",
-        ),
-        (_E + "down_proj.weight",),
-        ROW,
-        "moe",
-    ),
-)
-
-
-def features(config, tied: bool) -> frozenset[str]:
-    """The ``Rule.when`` values a Megatron ``TransformerConfig`` (and tied embeddings or not) switches on."""
-    on = {"always", "tied" if tied else "untied", "moe" if config.num_moe_experts else "dense"}
-    if config.add_qkv_bias:
-        on.add("qkv_bias")
-    if config.qk_layernorm:
-        on.add("qk_norm")
-    return frozenset(on)
-
-
-def active_rules(on: frozenset[str]) -> tuple[Rule, ...]:
-    return tuple(rule for rule in RULES if rule.when in on)
+def active_rules(rules: Iterable[Rule], tied: bool) -> tuple[Rule, ...]:
+    """The rules of a model with tied embeddings (``tied``) or not: ``always`` and the matching output layer."""
+    on = {"always", "tied" if tied else "untied"}
+    return tuple(rule for rule in rules if rule.when in on)
 
 
 @dataclass(frozen=True)
@@ -180,7 +122,9 @@ def _pattern(name: str) -> re.Pattern:
     return re.compile(escaped + r"\Z")
 
 
-_PATTERNS = [(rule, _pattern(name)) for rule in RULES for name in rule.megatron]
+@functools.cache
+def _patterns(rule: Rule) -> tuple[re.Pattern, ...]:
+    return tuple(_pattern(name) for name in rule.megatron)
 
 
 def match_name(
@@ -188,16 +132,14 @@ def match_name(
 ) -> Match | None:
     """The rule of the Megatron tensor ``name`` (a local name: layer and expert indices of this rank's chunk,
     shifted by ``layer_offset`` and ``expert_offset`` to the global ones), or None."""
-    allowed = set(rules)
-    for rule, pattern in _PATTERNS:
-        if rule not in allowed:
-            continue
-        m = pattern.match(name)
-        if m:
-            groups = m.groupdict()
-            layer = int(groups["layer"]) + layer_offset if "layer" in groups else None
-            expert = int(groups["expert"]) + expert_offset if "expert" in groups else None
-            return Match(rule, layer, expert)
+    for rule in rules:
+        for pattern in _patterns(rule):
+            m = pattern.match(name)
+            if m:
+                groups = m.groupdict()
+                layer = int(groups["layer"]) + layer_offset if "layer" in groups else None
+                expert = int(groups["expert"]) + expert_offset if "expert" in groups else None
+                return Match(rule, layer, expert)
     return None
 
 
@@ -310,7 +252,7 @@ def megatron_to_hf(
         m = match_name(name, rules)
         if m is None:
             raise KeyError(
-                f"Megatron tensor '{name}' has no Hugging Face counterpart in thdpack.hf.mapping.RULES"
+                f"Megatron tensor '{name}' has no Hugging Face counterpart in the family's mapping"
             )
         for hf_name, part in zip(m.hf_names, to_hf(m.rule.kind, tensor, dims), strict=True):
             out[hf_name] = part

@@ -1,9 +1,10 @@
-"""What the vision-language families share: reading a VL checkpoint's ``config.json`` and safetensors, the MRoPE id
-rule of still images, the language model's import through the text families' engine.
+"""What the Qwen vision-language checkpoints share: their ``config.json``'s text and vision parts, the MRoPE id rule
+of still images, their safetensors read as a text model's and a vision tower's.
 
-A family module (:mod:`thdpack.hf.qwen2_5_vl`, :mod:`thdpack.hf.qwen3_vl`) adds what is its own: the vision tower
-class, the text architecture its language model imports as, the Megatron model group. :data:`VL_ARCHITECTURES`
-maps a ``config.json`` architecture to its family module; :func:`vl_module` resolves it.
+The families (:mod:`thdpack.models.qwen2_5_vl`, :mod:`thdpack.models.qwen3_vl`, :mod:`thdpack.models.qwen3_vl_moe`,
+built by :mod:`thdpack.models.vl`) add what is their own: the vision tower class, the text family their language
+model imports as, DeepStack, the MRoPE frequency layout. The processor (:mod:`thdpack.hf.processor`) reads the
+facts of :func:`vl_facts` and the ids of :func:`rope_index`.
 
 Checkpoint layout (both seen in the wild; transformers 5.x saves the first, 4.5x the second):
 
@@ -16,61 +17,33 @@ sections under ``rope_scaling`` or ``rope_parameters`` (``mrope_section``).
 
 from __future__ import annotations
 
-import importlib
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .config import HFConfigError
+from .checkpoint import HFConfigError, safetensors_files
 
 __all__ = [
-    "VL_ARCHITECTURES",
     "LanguageModelReader",
     "VLFacts",
-    "is_vl_config",
+    "has_vision",
     "language_model_name",
-    "load_language_model",
     "load_vision_state",
-    "read_vl_config",
     "rope_index",
     "text_config",
     "text_import_config",
     "vision_tensor_names",
     "vl_facts",
-    "vl_model_group",
-    "vl_module",
 ]
 
-# config.json architecture -> the family module (ARCHITECTURES, FAMILY, MROPE_INTERLEAVED, model_group,
-# deepstack_layers, build_vision_tower, load_vision_tower, load_language_model).
-VL_ARCHITECTURES = {
-    "Qwen2_5_VLForConditionalGeneration": "thdpack.hf.qwen2_5_vl",
-    "Qwen3VLForConditionalGeneration": "thdpack.hf.qwen3_vl",
-    "Qwen3VLMoeForConditionalGeneration": "thdpack.hf.qwen3_vl_moe",
-}
 VISION_PREFIXES = ("visual.", "model.visual.")
 
 
-def is_vl_config(config: Mapping) -> bool:
-    """Whether ``config.json`` names a vision-language architecture thdpack supports."""
-    architectures = config.get("architectures")
-    return isinstance(architectures, list) and bool(set(architectures) & set(VL_ARCHITECTURES))
-
-
-def vl_module(config: Mapping, where: str = "config.json"):
-    """The family module of a vision-language ``config.json``; raises ``ValueError`` naming ``architectures`` and
-    the supported ones for any other (an unknown VL architecture among them)."""
-    architectures = config.get("architectures") or []
-    known = [a for a in architectures if a in VL_ARCHITECTURES]
-    if not known:
-        raise ValueError(
-            f"{where}: architectures {architectures}: the vision-language families support "
-            f"{list(VL_ARCHITECTURES)}"
-        )
-    return importlib.import_module(VL_ARCHITECTURES[known[0]])
+def has_vision(config: Mapping) -> bool:
+    """Whether a ``config.json`` describes a model with a vision tower (a ``vision_config``)."""
+    return isinstance(config.get("vision_config"), Mapping)
 
 
 @dataclass(frozen=True)
@@ -103,22 +76,6 @@ class VLFacts:
         return t * h * w // self.spatial_merge_size**2
 
 
-def read_vl_config(directory: str | Path) -> dict:
-    """``directory/config.json`` as a dict, checked to be a supported vision-language checkpoint (plain JSON: no
-    remote code)."""
-    path = Path(directory) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path}: no config.json: model.pretrained must be a Hugging Face directory"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    vl_module(config, str(path))
-    return config
-
-
 def text_config(config: Mapping) -> dict:
     """The language model's config.json keys, whether nested under ``text_config`` (transformers 5.x) or flat
     at the top level (the released Qwen2.5-VL checkpoints); the rope settings under ``rope_parameters``, with
@@ -137,8 +94,8 @@ def text_config(config: Mapping) -> dict:
 
 
 def vl_facts(config: Mapping, where: str = "config.json") -> VLFacts:
-    """:class:`VLFacts` of a vision-language ``config.json`` (as :func:`read_vl_config` returns it); raises
-    :class:`~thdpack.hf.config.HFConfigError` naming ``where`` for a config the model cannot run."""
+    """:class:`VLFacts` of a vision-language ``config.json`` (``where``: its path); raises
+    :class:`~thdpack.hf.checkpoint.HFConfigError` naming ``where`` for a config the model cannot run."""
     vision = config.get("vision_config")
     if not isinstance(vision, Mapping):
         raise HFConfigError(f"{where}: no 'vision_config': not a vision-language checkpoint")
@@ -270,7 +227,7 @@ def load_vision_state(module, directory: str | Path, device=None):
     from safetensors import safe_open
 
     directory = Path(directory)
-    files = _safetensors_files(directory)
+    files = safetensors_files(directory)
     located = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -303,17 +260,6 @@ def load_vision_state(module, directory: str | Path, device=None):
     if device is not None:
         module.to(device)
     return module
-
-
-def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted({directory / f for f in weight_map.values()})
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
 # Keys of a VL config.json that belong to the vision side or name the VL wrapper (the language model is read by
@@ -350,39 +296,13 @@ def text_import_config(config: Mapping, architecture: str, model_type: str) -> d
         rope_parameters={"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1000000.0))},
         tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
     )
-    for key in ("_path", "_text"):  # the file and its text, for errors that name the line
-        if key in config:
-            out[key] = config[key]
     return out
-
-
-def vl_model_group(
-    config: Mapping, *, seq_length: int, tp: int, import_config: Callable[[Mapping], dict], label: str
-) -> dict:
-    """The recipe's model group of a VL checkpoint: the text import's group of its language model
-    (:func:`thdpack.hf.config.model_group` of ``import_config(config)``), with multimodal RoPE
-    (``mrope_section``), ``freeze_vision`` true. The family module adds its name and family. ``label`` names the
-    family in errors."""
-    from .config import model_group as text_model_group
-
-    rope = text_config(config)["rope_parameters"]
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "mrope"):
-        raise HFConfigError(
-            f"{config.get('_path', 'config.json')}: rope_type '{kind}': {label}'s language model uses plain "
-            "multimodal RoPE (mrope_section), no scaling"
-        )
-    facts = vl_facts(config, str(config.get("_path", "config.json")))
-    group = text_model_group(import_config(config), seq_length=seq_length, tp=tp)
-    group["config"]["mrope_section"] = list(facts.mrope_section)
-    group.update(position_embedding_type="mrope", freeze_vision=True)
-    return group
 
 
 class LanguageModelReader:
     """A VL checkpoint's tensors as the text import reads them: the language model's only, under text-model
-    names (:func:`language_model_name`); the vision tower's are hidden (loaded by the family's
-    ``load_vision_tower``). ``reader``: :class:`thdpack.hf.load.SafetensorsReader` of the directory."""
+    names (:func:`language_model_name`); the vision tower's are hidden (loaded by :func:`load_vision_state`).
+    ``reader``: :class:`thdpack.hf.checkpoint.SafetensorsReader` of the directory."""
 
     def __init__(self, reader):
         self.reader = reader
@@ -404,16 +324,3 @@ class LanguageModelReader:
 
     def where(self, name: str) -> str:
         return f"{self.reader.where(self._names[name])} ('{self._names[name]}')"
-
-
-def load_language_model(gpt, directory: str | Path, import_config: Callable[[Mapping], dict]) -> int:
-    """Load a VL checkpoint's language model into ``gpt`` (this rank's bare ``GPTModel`` chunk) with the text
-    import of ``import_config(config)`` (per-rank slices; vocabulary padding never predicted). Returns the
-    tensors loaded."""
-    from .config import read_hf_config
-    from .load import SafetensorsReader, load_weights, never_predict_padding
-
-    hf = import_config(read_hf_config(directory))
-    loaded = load_weights(gpt, LanguageModelReader(SafetensorsReader(directory)), hf)
-    never_predict_padding(gpt, int(hf["vocab_size"]))
-    return loaded

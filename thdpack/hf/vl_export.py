@@ -4,7 +4,7 @@ directory.
 The model (:class:`thdpack.megatron.vlm.VisionLanguageModel`) saves two parts in its distributed checkpoint:
 
 * ``language_model.*``: Megatron's ``GPTModel``, converted by the text export (:func:`thdpack.hf.checkpoint_hf.gpt_hf_tensors`,
-  the text families' mapping) to text-model names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``);
+  with the mapping of the text family the language model imports as) to text-model names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``);
   Qwen3-VL-MoE's per-expert tensors (``mlp.experts.{e}.gate_proj.weight``...) are stacked back into the layer's
   fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` in the orientation the source directory stored
   them (:func:`thdpack.hf.fused_experts.fuse_experts`: ``[E, 2I, H]`` / ``[E, H, I]`` as transformers 5.x saves,
@@ -23,14 +23,16 @@ source directory's, bit for bit, when the tower was frozen; the export refuses w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
+from .checkpoint import HFCheckpoint, safetensors_files
 from .checkpoint_hf import gpt_hf_tensors, run_config
 from .fused_experts import fuse_experts
-from .vl_checkpoint import VISION_PREFIXES, _safetensors_files, text_config
+from .mapping import Rule, active_rules
+from .vl_checkpoint import VISION_PREFIXES, text_config
 
 __all__ = ["SOURCE_TENSORS", "source_tensor_record", "vl_checkpoint_hf_tensors", "write_source_tensor_record"]
 
@@ -46,7 +48,7 @@ def source_tensor_record(directory: str | Path) -> dict[str, dict]:
     from safetensors import safe_open
 
     record = {}
-    for file in _safetensors_files(Path(directory)):
+    for file in safetensors_files(Path(directory)):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 part = f.get_slice(name)
@@ -81,15 +83,17 @@ def _hf_name(text_name: str, nested: bool) -> str:
     return text_name
 
 
-def vl_checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> dict[str, torch.Tensor]:
+def vl_checkpoint_hf_tensors(
+    iteration_dir: str | Path, kept: HFCheckpoint, mapping: Iterable[Rule]
+) -> dict[str, torch.Tensor]:
     """The HF tensors of a vision-language run's distributed checkpoint ``iteration_dir``, named as the source
-    directory named them, as saved (dtype, bits); ``hf_dir``: the run's kept ``hf/`` directory. Raises
-    ``ValueError`` naming the tensor and the rule for a checkpoint that does not give exactly the source's
-    tensors, ``FileNotFoundError`` when a frozen tower must come from a source directory that is gone."""
-    from .config import read_hf_config
+    directory named them, as saved (dtype, bits); ``kept``: the run's kept ``hf/`` directory; ``mapping``: the
+    mapping of the text family its language model imports as. Raises ``ValueError`` naming the tensor and the
+    rule for a checkpoint that does not give exactly the source's tensors, ``FileNotFoundError`` when a frozen
+    tower must come from a source directory that is gone."""
     from .dist_checkpoint import checkpoint_tensors
 
-    iteration_dir, hf_dir = Path(iteration_dir), Path(hf_dir)
+    iteration_dir, hf_dir = Path(iteration_dir), kept.directory
     config, tied, model = run_config(hf_dir)
     source = Path(str(model.get("pretrained", "")))
     record, record_path = _source_record(hf_dir, source)
@@ -109,8 +113,9 @@ def vl_checkpoint_hf_tensors(iteration_dir: str | Path, hf_dir: str | Path) -> d
                 f"{iteration_dir}: the checkpoint's tensor '{name}' belongs neither to the language model "
                 f"('{_GPT}*') nor to the vision tower ('{_VISION}*'): no Hugging Face counterpart in {record_path}"
             )
-    vocab = int(text_config(read_hf_config(hf_dir))["vocab_size"])
-    text = gpt_hf_tensors(language, config, tied, vocab, iteration_dir, hf_dir, prefix=_GPT)
+    vocab = int(text_config(kept.config)["vocab_size"])
+    rules = active_rules(mapping, tied)
+    text = gpt_hf_tensors(language, rules, config, vocab, iteration_dir, hf_dir, prefix=_GPT)
     out = {_hf_name(n, nested): t for n, t in text.items()}
     if config.num_moe_experts:  # Qwen3-VL-MoE: one fused pair per layer, as the source stored it
         shapes = {n: r["shape"] for n, r in record.items()}
@@ -173,7 +178,7 @@ def _frozen_tower(
     from safetensors import safe_open
 
     wanted, out = set(names), {}
-    for file in _safetensors_files(source):
+    for file in safetensors_files(source):
         with safe_open(str(file), framework="pt") as f:
             for name in wanted & set(f.keys()):
                 out[name] = f.get_tensor(name)

@@ -9,7 +9,7 @@ arrays for attention, the MoE padding mask and the MRoPE ids, first stages the t
 The batch hook (``BatchConfig.transform`` and ``carry_keys``) is where a VLM or a custom dataset adapts a batch:
 the transform runs on the reader's host batch before packing, and the entries that are not token-aligned
 (images, grids) travel beside the packed row to ``ModelInputs.extra``, where the model family's forward
-(:mod:`thdpack.megatron.families`) takes them.
+(:mod:`thdpack.models`) takes them.
 """
 
 from __future__ import annotations

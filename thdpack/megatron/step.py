@@ -4,14 +4,29 @@ family's forward and the loss, each taken from the step's :class:`StepConfig`.""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from .batch import BatchConfig, get_batch
-from .families import GPT, ModelFamily
+from .batch import BatchConfig, ModelInputs, get_batch
 from .loss import LM_LOSS, TokenLoss
 from .unwrap import unwrap_model
 
-__all__ = ["StepConfig", "forward_step", "make_forward_step"]
+__all__ = ["StepConfig", "forward_step", "gpt_forward", "make_forward_step"]
+
+
+def gpt_forward(model, inputs: ModelInputs):
+    """``GPTModel.forward`` on a micro-batch: packed (``packed_seq_params``, the MoE ``padding_mask``, ``[3, 1,
+    T]`` MRoPE ids) or padded (a ``[B, 1, 1, S]`` attention mask); per-token losses on the last stage."""
+    return model(
+        inputs.tokens,
+        inputs.position_ids,
+        inputs.attention_mask,
+        labels=inputs.labels,
+        loss_mask=inputs.loss_mask,  # the fused output loss's per-token weights (thdpack.megatron.output_loss)
+        packed_seq_params=inputs.packed_seq_params,
+        padding_mask=inputs.padding_mask,
+    )
 
 
 @dataclass(frozen=True)
@@ -20,12 +35,13 @@ class StepConfig:
 
     Attributes:
         batch: :class:`~thdpack.megatron.batch.BatchConfig`: packing, alignment, the batch hook.
-        family: the :class:`~thdpack.megatron.families.ModelFamily` whose ``forward`` calls the model.
+        forward: ``(model, inputs) -> output``: the model family's forward (``ModelFamily.forward`` of
+            :mod:`thdpack.models`); :func:`gpt_forward` by default.
         loss: the loss component (:class:`~thdpack.megatron.loss.TokenLoss` or a subclass).
     """
 
     batch: BatchConfig = field(default_factory=BatchConfig)
-    family: ModelFamily = GPT
+    forward: Callable[[Any, ModelInputs], Any] = gpt_forward
     loss: TokenLoss = LM_LOSS
 
 
@@ -37,15 +53,15 @@ def forward_step(data_iterator, model, config: StepConfig = StepConfig()):  # no
     Bind ``config`` with :func:`make_forward_step` to get Megatron's two-argument signature.
     """
     inputs = get_batch(data_iterator, unwrap_model(model).config, config.batch)
-    output = config.family.forward(model, inputs)
+    output = config.forward(model, inputs)
     return output, functools.partial(config.loss, inputs)
 
 
 def make_forward_step(
     batch: BatchConfig = BatchConfig(),  # noqa: B008 - frozen dataclass
     *,
-    family: ModelFamily = GPT,
+    forward: Callable[[Any, ModelInputs], Any] = gpt_forward,
     loss: TokenLoss = LM_LOSS,
 ):
     """``forward_step`` with its :class:`StepConfig` bound: ``(data_iterator, model) -> (output, loss_func)``."""
-    return functools.partial(forward_step, config=StepConfig(batch, family, loss))
+    return functools.partial(forward_step, config=StepConfig(batch, forward, loss))

@@ -3,7 +3,7 @@ Hugging Face vision tower beside it, image embeddings scattered into the token e
 
 Per micro-batch (first pipeline stage):
 
-1. the vision tower (transformers' module, :mod:`thdpack.hf.qwen2_5_vl`) runs on every image of the micro-batch
+1. the vision tower (transformers' module, :mod:`thdpack.models.qwen2_5_vl`) runs on every image of the micro-batch
    (``pixel_values [P, D]``, ``image_grid_thw [I, 3]``; its own variable-length attention per image and
    window, boundaries from the grids) and gives one embedding per image token ``[N, hidden]``, in row-major
    order of the micro-batch's image tokens;
@@ -34,9 +34,7 @@ from collections.abc import Mapping
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["VISION_KEYS", "VisionLanguageModel", "build_language_model", "vlm_batch_transform", "vlm_forward"]
-
-VISION_KEYS = ("pixel_values", "image_grid_thw")
+__all__ = ["VisionLanguageModel", "build_language_model", "vlm_batch_transform", "vlm_forward"]
 
 
 class VisionLanguageModel(MegatronModule):
@@ -218,7 +216,7 @@ def build_language_model(
     """This rank's ``GPTModel`` chunk of a vision-language model's language model (MRoPE, packed), random weights:
     the recipe's model group (``rotary_base``, ``share_embeddings_and_output_weights``, ``te_op_fuser``) and
     Megatron's config; ``mrope_interleaved``: Qwen3-VL's MRoPE frequency layout. The family that builds the whole
-    model loads the checkpoint into it (:mod:`thdpack.hf.vlm_family`)."""
+    model loads the checkpoint into it (:mod:`thdpack.models.vl`)."""
     from .models import build_gpt_model
 
     return build_gpt_model(

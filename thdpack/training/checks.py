@@ -8,12 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
-from thdpack.megatron.families import COMMON_MODEL_KEYS, get_family
 from thdpack.megatron.fp8 import check_fp8, check_fp8_attention
 from thdpack.megatron.fused_mlp import check_te_op_fuser
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
 from thdpack.megatron.output_loss import check_output_loss
 from thdpack.megatron.parallel_layout import first_stage_layers
+from thdpack.models import COMMON_MODEL_KEYS, get_family
 
 from .config_error import ConfigError
 from .memory import check_memory

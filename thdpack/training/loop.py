@@ -137,12 +137,12 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.config import padded_vocab_size, transformer_config
     from thdpack.megatron.device_step import OptimizerStep
     from thdpack.megatron.distributed import te_wgrad_fusion, wrap_model
-    from thdpack.megatron.families import get_family
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.optimizer import build_optimizer
     from thdpack.megatron.optimizer_precision import ddp_grad_reduce_in_fp32
     from thdpack.megatron.runtime import init_distributed, resolve_runtime
     from thdpack.megatron.step import StepConfig, make_forward_step
+    from thdpack.models import get_family
 
     _setup_logging()
     cfg = resolve_recipe(cfg)
@@ -210,7 +210,7 @@ def setup_run(cfg: DictConfig) -> Run:
             transform=family.transform,
             carry_keys=family.carry_keys,
         ),
-        family=family,
+        forward=family.forward,
         loss=LM_LOSS,
     )
     batching = "padded BSHD"
@@ -246,7 +246,7 @@ def setup_run(cfg: DictConfig) -> Run:
         scheduler=scheduler,
         step=step,
         optimizer_step=optimizer_step,
-        forward_step=make_forward_step(step.batch, family=step.family, loss=step.loss),
+        forward_step=make_forward_step(step.batch, forward=step.forward, loss=step.loss),
         forward_backward=get_forward_backward_func(),
         flops=FlopsModel.of(config, vocab_size),
         logging_rank=logging_rank,
@@ -360,7 +360,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
     if ckpt_dir is not None and cfg.model.get("pretrained") and dist.get_rank() == 0:
-        from thdpack.hf.export import keep_with_checkpoint  # what python -m thdpack.export needs
+        from thdpack.hf.directory import keep_with_checkpoint  # what python -m thdpack.export needs
 
         keep_with_checkpoint(ckpt_dir, cfg.model, run.runtime.precision)
     if run.logging_rank:

@@ -33,8 +33,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
       a dense MLP and no FP8 delayed scaling);
     - ``model.family``: ``gpt`` when absent;
     - with ``model.pretrained`` (``model=hf``): the model group from that directory's config.json
-      (:func:`thdpack.hf.config.pretrained_model_group`), built by the ``hf`` family (a Qwen2.5-VL directory: the
-      vision-language family, :mod:`thdpack.hf.vlm_family`), expanded first: every setting below reads it;
+      (:func:`thdpack.models.pretrained_model_group`), built by the family of its architecture
+      (:mod:`thdpack.models`), expanded first: every setting below reads it;
     - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`; ``fit``:
       :func:`thdpack.training.token_budget.fit_micro_batch_tokens` for this GPU);
     - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
@@ -57,8 +57,8 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     out = copy.deepcopy(cfg)
     with open_dict(out):
         if cfg.model.get("pretrained"):  # model=hf: the checkpoint's config.json decides the architecture
-            from thdpack.hf.config import HFConfigError
-            from thdpack.hf.pretrained import pretrained_model_group
+            from thdpack.hf.checkpoint import HFConfigError
+            from thdpack.models import pretrained_model_group
 
             try:
                 out.model = pretrained_model_group(

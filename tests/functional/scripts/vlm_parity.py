@@ -54,11 +54,13 @@ def first_stage_holds_deepstack(group: dict, directory: str, pp: int) -> dict:
     """``group`` with ``config.num_layers_in_first_pipeline_stage`` set where the layers do not split evenly over
     ``pp`` stages or an even split leaves DeepStack layers (Qwen3-VL) off the first stage: the first stage then
     holds the DeepStack layers and the others share the rest."""
-    from thdpack.hf.config import read_hf_config
-    from thdpack.hf.vl_checkpoint import text_config, vl_module
+    from thdpack.hf.checkpoint import HFCheckpoint
+    from thdpack.hf.vl_checkpoint import text_config
+    from thdpack.models import family_of, qwen3_vl
 
-    hf = read_hf_config(directory)
-    layers, deepstack = int(text_config(hf)["num_hidden_layers"]), vl_module(hf).deepstack_layers(hf)
+    hf = HFCheckpoint.open(directory)
+    layers = int(text_config(hf.config)["num_hidden_layers"])
+    deepstack = 0 if family_of(hf).name == "qwen2_5_vl" else qwen3_vl.deepstack_layers(hf)
     if layers % pp == 0 and layers // pp >= deepstack:
         return group
     first = max(deepstack, layers - (pp - 1) * (layers // pp))

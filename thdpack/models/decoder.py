@@ -1,0 +1,81 @@
+"""A Hugging Face decoder-only checkpoint run as megatron-core's ``GPTModel``: the ``gpt`` family's model with the
+checkpoint's weights loaded into it, and a run's checkpoint mapped back to the checkpoint's tensors.
+
+A family module declares what is its own (name, architectures, ``model_group``, mapping) and
+:func:`decoder_family` makes the rest of its :class:`~thdpack.models.family.ModelFamily`:
+
+    FAMILY = decoder_family("mistral", ("MistralForCausalLM",), model_group, llama.MAPPING)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from thdpack.hf.checkpoint import HFCheckpoint
+from thdpack.hf.mapping import Rule
+from thdpack.megatron.step import gpt_forward
+
+from . import gpt
+from .family import ModelFamily, ModelGroup
+
+__all__ = ["MODEL_KEYS", "decoder_family", "load_pretrained"]
+
+log = logging.getLogger("thdpack")
+
+# The model-group keys of a checkpoint's family besides the gpt family's.
+MODEL_KEYS = (*gpt.MODEL_KEYS, "pretrained", "rope_scaling", "freeze_vision", "accept_unknown_config_keys")
+
+
+def load_pretrained(module, mapping: Iterable[Rule], model: Mapping) -> int:
+    """Load ``model["pretrained"]``'s weights (``model``: the recipe's model group) into ``module`` (this rank's
+    chunk, or a list of chunks; DDP / Float16Module wrappers are looked through) by ``mapping``, set its RoPE
+    frequencies (the group's ``rotary_base`` and ``rope_scaling``) and mask its padded vocabulary rows. Returns
+    the number of tensors loaded on this rank."""
+    from thdpack.hf.load import load_weights, never_predict_padding, set_rotary_frequencies
+    from thdpack.megatron.unwrap import unwrap_model
+
+    checkpoint = HFCheckpoint.open(model["pretrained"])
+    vocab = int(checkpoint.config["vocab_size"])
+    loaded = 0
+    for chunk in module if isinstance(module, (list, tuple)) else [module]:
+        chunk = unwrap_model(chunk)
+        loaded += load_weights(chunk, checkpoint.tensors(), mapping, vocab)
+        set_rotary_frequencies(chunk, model["rotary_base"], model.get("rope_scaling"))
+        never_predict_padding(chunk, vocab)
+    return loaded
+
+
+def decoder_family(
+    name: str, architectures: tuple[str, ...], model_group: ModelGroup, mapping: tuple[Rule, ...]
+) -> ModelFamily:
+    """The family of a decoder-only ``GPTModel`` checkpoint: ``model_group`` reads its ``config.json``,
+    ``mapping`` its tensors (both ways)."""
+
+    def build(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime):
+        if not model.get("freeze_vision", True):
+            raise ValueError(
+                f"model.freeze_vision=false trains a vision tower, but {model['pretrained']} is a text checkpoint "
+                "(no vision tower): leave model.freeze_vision at true"
+            )
+        module = gpt.build(model, config, vocab_size, max_sequence_length, runtime)
+        loaded = load_pretrained(module, mapping, model)
+        log.info("loaded %d tensors of %s into this rank's model", loaded, model["pretrained"])
+        return module
+
+    def export(iteration_dir: Path, kept: HFCheckpoint):
+        from thdpack.hf.checkpoint_hf import checkpoint_hf_tensors
+
+        return checkpoint_hf_tensors(iteration_dir, kept.directory, mapping, int(kept.config["vocab_size"]))
+
+    return ModelFamily(
+        name=name,
+        build=build,
+        forward=gpt_forward,
+        model_keys=MODEL_KEYS,
+        architectures=architectures,
+        model_group=model_group,
+        mapping=mapping,
+        export=export,
+    )
