@@ -169,7 +169,7 @@ def launch(
         result["te_backend_lines"] = sorted({line.strip() for line in text.splitlines() if _te_backend(line)})
         return result | {"launch_s": time.perf_counter() - started}
     status = "out of memory" if re.search(r"out of memory|OutOfMemoryError", text) else f"failed ({code})"
-    return {"status": status, "log": str(log_path), "log_tail": text.splitlines()[-25:]}
+    return {"status": status, "log": str(log_path), "log_tail": error_excerpt(text)}
 
 
 def launch_peer(job: dict, work: Path, name: str, timeout: float, env: dict, reuse: bool) -> list[dict]:
@@ -197,7 +197,7 @@ def launch_peer(job: dict, work: Path, name: str, timeout: float, env: dict, reu
         failed = marks[-1].group(1) if marks and marks[-1].group(1) in left else left[0]
         tail = log[marks[-1].start() :] if marks else log
         status = "out of memory" if re.search(r"out of memory|OutOfMemoryError", tail) else ended["status"]
-        results[failed] = {"status": status, "log_tail": tail.splitlines()[-25:]}
+        results[failed] = {"status": status, "log_tail": error_excerpt(tail)}
         left.remove(failed)
     return [results.get(t, {"status": "not run"}) | {"config": t} for t in job["hf_configs"]]
 
@@ -337,9 +337,40 @@ def device_name(runs: list[dict]) -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return platform.processor() or "cpu", "cpu"
-    name = next((r["device_name"] for r in runs if r.get("device_name")), "GPU")
+    name = next((r["device_name"] for r in runs if r.get("device_name")), None) or _smi_name()
     tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
     return f"{torch.cuda.device_count()}x {name}", tag
+
+
+def _smi_name() -> str:
+    """The first GPU's name from nvidia-smi (no CUDA context in this process), when no run reported one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return out.stdout.splitlines()[0].strip() or "GPU"
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "GPU"
+
+
+def error_excerpt(text: str, limit: int = 60) -> list[str]:
+    """The first failing rank's traceback in a torchrun log (its lines carry a ``[rankN]:`` prefix), through the
+    exception's line; else the log's last 25 lines. torchrun's own ChildFailedError report, which names no cause,
+    comes after it and would push it out of a plain tail."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"\[rank\d+\]: Traceback", line)), None)
+    if start is None:
+        return lines[-25:]
+    rank = lines[start].split("]")[0] + "]"
+    own = [line for line in lines[start:] if line.startswith(rank)]
+    end = next(
+        (i for i, line in enumerate(own) if re.match(re.escape(rank) + r": [\w.]*(Error|Exception)\b", line)),
+        len(own) - 1,
+    )
+    return own[: end + 1][-limit:]
 
 
 def write_report(payload: dict, out: Path, label: str | None, quiet: bool = False) -> Path:

@@ -37,9 +37,8 @@ scale() {  # scale.py with a wall-clock guard: a phase that overruns leaves the 
 
 pack() {
   [ -n "${OUT:-}" ] || return 0
-  find "$WORK/runs" -name '*.log' -exec sh -c 'tail -60 "$1" > "$1.tail"' _ {} \; 2>/dev/null
   tar czf "$OUT/scale_x4.tgz.tmp" "$RESULTS" "$WORK/logs" \
-    $(find "$WORK/runs" -name '*.tail' -o -name '*.result.json' 2>/dev/null) 2>/dev/null
+    $(find "$WORK/runs" -name '*.log' -o -name '*.result.json' 2>/dev/null) 2>/dev/null
   mv "$OUT/scale_x4.tgz.tmp" "$OUT/scale_x4.tgz"
 }
 
@@ -48,7 +47,7 @@ phase_smoke() {  # tiny shapes on every path the phases take: a failure here cos
   scale 240 --shape tiny --world-sizes $w --layouts dp+ov,dp+ov+fp8@2048 --label smoke \
     --hf-configs fsdp2:noreshard:prefetch2,fsdp2:ac:bf16reduce,ddp,ddp:autocast --seq-length 1024 \
     --micro-batch-tokens 4096 --steps 2 --warmup 1
-  scale 240 --shape tiny_moe --world-sizes $w --layouts ep$w+ov --hf-configs fsdp2 --label smoke-moe \
+  scale 240 --shape tiny_moe --world-sizes $w --layouts ep$w --hf-configs fsdp2 --label smoke-moe \
     --seq-length 1024 --micro-batch-tokens 4096 --steps 2 --warmup 1
   if [ "$GPUS" -gt 1 ]; then
     scale 240 --shape tiny --world-sizes 2 --layouts cp2:fold+recompute,cp2:distinct+recompute --mix full \
@@ -69,26 +68,18 @@ phase_smoke-real() {  # one GPU: the real shapes' kernels (Liger, grouped expert
     --steps 3 --warmup 1 --label smoke-moe2
 }
 
-phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel against DDP; 1 and 2 GPUs side by side
+phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel (with and without the overlap) against DDP
   local b=16384
-  make_dir llama3_1b
-  CUDA_VISIBLE_DEVICES=0 scale 300 --shape llama3_1b --world-sizes 1 --sides thdpack --layouts dp+ov@$b \
-    --label 1b-w1-thdpack &
-  CUDA_VISIBLE_DEVICES=1 scale 300 --shape llama3_1b --world-sizes 1 --sides hf --hf-configs ddp@$b,ddp:autocast@$b \
-    --label 1b-w1-hf &
-  CUDA_VISIBLE_DEVICES=2,3 scale 300 --shape llama3_1b --world-sizes 2 --layouts dp+ov@$b \
-    --hf-configs ddp@$b,ddp:autocast@$b --label 1b-w2 &
-  wait
-  scale 300 --shape llama3_1b --world-sizes 4 --layouts dp+ov@$b --hf-configs ddp@$b,ddp:autocast@$b \
-    --label 1b-w4
+  scale 540 --shape llama3_1b --world-sizes 1,2,4 --layouts dp@$b,dp+ov@$b --hf-configs ddp@$b,ddp:autocast@$b \
+    --label 1b-scaling
 }
 
 phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs
   if [ $BIG = 1 ]; then
-    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@16384,tp2+ov+fp8@16384 \
+    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2@16384,tp2+fp8@16384,tp4@16384 \
       --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2:ac@16384 --label 8b
   else
-    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2+ov@8192,tp2+ov+fp8@8192 \
+    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2@8192,tp2+fp8@8192,tp4@16384 \
       --hf-configs fsdp2:noreshard@4096,fsdp2:noreshard:prefetch2@4096,fsdp2:ac@8192 --label 8b
   fi
 }
@@ -96,11 +87,11 @@ phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs
 phase_8b-long() {  # the 8B shape, long samples (median 6k tokens, up to 32k), 8 a GPU a step
   local b=$((BIG ? 32768 : 16384))
   scale 300 --shape llama3_8b --world-sizes 4 --mix long --seq-length 32768 --samples-per-gpu 8 \
-    --layouts tp2+ov@$b --hf-configs fsdp2:ac@$b,fsdp2:noreshard@$((b / 2)) --label 8b-long --steps 4
+    --layouts tp2@$b --hf-configs fsdp2:ac@$b,fsdp2:noreshard@$((b / 2)) --label 8b-long --steps 4
 }
 
 phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 4 GPUs
-  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --layouts ep4+ov@8192 \
+  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --layouts ep4@8192,ep2tp2@8192 \
     --hf-configs fsdp2:noreshard@8192,fsdp2@8192 --label moe
 }
 

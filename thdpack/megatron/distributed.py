@@ -8,7 +8,7 @@ import torch
 
 from .runtime import Runtime
 
-__all__ = ["fuse_te_wgrad_accumulation", "sync_params", "te_wgrad_fusion", "wrap_model"]
+__all__ = ["check_overlap", "fuse_te_wgrad_accumulation", "sync_params", "te_wgrad_fusion", "wrap_model"]
 
 
 def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
@@ -78,6 +78,22 @@ def wrap_model(
         overlap_param_gather=overlap_param_gather,
     )
     return DistributedDataParallel(config, ddp_config, module)
+
+
+def check_overlap(trainer: Mapping, parallel: Mapping, device: str) -> None:
+    """Refuse the communication overlap where it has not run: on a GPU it trained under data parallelism
+    (llama3_1b, two H200s), and stopped at the second step with a bare ``AssertionError`` under tensor parallelism
+    (llama3_8b, TP2 x DP2) and expert parallelism (Qwen3-30B-A3B shape, EP4) on four H200s
+    (benchmarks/results/scale_h200x4_2026-11-27.md). On CPU every layout trains with it (tests)."""
+    keys = [k for k in ("overlap_grad_reduce", "overlap_param_gather") if trainer.get(k) is True]
+    tp, ep = int(parallel["tensor_model_parallel_size"]), int(parallel["expert_model_parallel_size"])
+    if keys and device == "cuda" and (tp > 1 or ep > 1):
+        raise ValueError(
+            f"trainer.{keys[0]}=true with parallel.tensor_model_parallel_size={tp}, "
+            f"expert_model_parallel_size={ep} on a GPU: with Transformer Engine it stopped at the second step "
+            "(megatron-core's gradient buckets asserted) under tensor and expert parallelism; it is verified under "
+            "data parallelism only. Set trainer.overlap_grad_reduce=false trainer.overlap_param_gather=false"
+        )
 
 
 def sync_params(model) -> None:
