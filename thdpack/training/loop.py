@@ -30,10 +30,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_recipe
-from .config_error import ConfigError
+from .config_error import ConfigError, exit_with
 from .deferred import DeferredScalars
 from .flops import FlopsModel
 from .metrics import MetricsWriter, memory_summary, summarize
+from .overrides import check_overrides
 from .profiling import profile
 from .recipe import resolve_recipe
 from .recipe_keys import recipes_dir
@@ -92,16 +93,24 @@ def _process_start_time(pid: int) -> float | None:
 OmegaConf.register_new_resolver("thdpack_run_stamp", lambda: run_stamp(), use_cache=True, replace=True)
 
 
+def main() -> None:
+    """Train; a recipe that cannot run prints its message (naming the key) and exits with code 2, no traceback.
+    The command line's overrides are checked before Hydra composes them (:mod:`thdpack.training.overrides`)."""
+    try:
+        check_overrides(sys.argv[1:], recipes_dir())
+    except ConfigError as error:
+        exit_with(error)
+    _hydra_main()
+
+
 @hydra.main(config_path=str(recipes_dir()), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Train; a recipe that cannot run prints its message (naming the key) and exits with code 2, no traceback."""
+def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
         train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as error:
-        print(f"thdpack: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with(error)
 
 
 @dataclass
@@ -173,11 +182,12 @@ def setup_run(cfg: DictConfig) -> Run:
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
     try:  # the data's checks name the file, the line and the rule
         tokenizer, dataset, held_out, data_kwargs, data = _build_data(cfg, ps)
+        report = startup_report(data)  # raises for dataset.overlong=error with overlong samples known now
     except ValueError as error:
         raise ConfigError(str(error)) from None
     budget = data_cfg.micro_batch_tokens
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
-    for line in startup_report(data):
+    for line in report:
         log.info("data: %s", line)
 
     config = transformer_config(cfg.model, parallel, runtime)
