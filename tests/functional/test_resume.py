@@ -158,6 +158,10 @@ def test_starting_a_finished_run_again_keeps_its_checkpoint(killed_mid_save, tmp
     command = [*family("dense")[0], f"checkpoint.dir={killed_mid_save.ckpt}", "checkpoint.save_interval=2"]
     again = run_train(command, tmp_path / "run", env={KILL_BEFORE_RENAME: "6"}).check()
     assert f"resumed from {killed_mid_save.ckpt} at iteration 6" in again.output
+    assert (
+        f"nothing to train: the checkpoint in {killed_mid_save.ckpt} is at iteration 6 and " in again.output
+    )
+    assert "saved checkpoint" not in again.output
     assert latest_iteration(killed_mid_save.ckpt) == 6
 
 

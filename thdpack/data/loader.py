@@ -228,7 +228,11 @@ class TrainData:
                 f"(dataset.overlong={self.overlong}); the step log counts them"
             )
         over = np.flatnonzero(lengths > self.max_length)
-        if over.size and self.overlong == "error":
+        if not over.size:
+            return (
+                f"all {len(lengths)} samples fit {limit}: dataset.overlong={self.overlong} has nothing to do"
+            )
+        if self.overlong == "error":
             sources = ", ".join(f"{self.dataset[int(i)].source} ({lengths[i]} tokens)" for i in over[:5])
             raise ValueError(
                 f"{over.size} of {len(lengths)} samples are longer than {limit}: dataset.overlong=error refuses "

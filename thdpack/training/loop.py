@@ -38,6 +38,7 @@ from .overrides import check_overrides
 from .profiling import profile
 from .recipe import resolve_recipe
 from .recipe_keys import recipes_dir
+from .resume import continue_metrics, nothing_to_train, schedule_changes
 from .stopping import MARKER, EarlyStop
 
 if TYPE_CHECKING:
@@ -365,6 +366,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     optimizer_format = check_optimizer_format(cfg.checkpoint.get("optimizer_format", "fully_reshardable"))
     stop = EarlyStop(cfg.trainer.get("exit_duration_mins"))  # from the start: a signal during set-up counts
+    _setup_logging()
+    if os.environ.get("RANK", "0") == "0":
+        log.info("run directory: %s", run_dir.resolve())
     run = setup_run(cfg)
     cfg = run.cfg
     trainer, data = cfg.trainer, run.data
@@ -378,12 +382,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
+        schedule = run.scheduler.state_dict()  # the recipe's, before the checkpoint's replaces it
         state = load_checkpoint(
             ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler, seed=int(trainer.seed)
         )
         data.load_state_dict(state["data"])
         iteration = int(state["iteration"])
         log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
+        changed = schedule_changes(schedule, run.scheduler.state_dict(), iteration, int(trainer.train_iters))
+        if changed:
+            log.warning(changed)
+    started_at = iteration
+    if run.logging_rank:
+        earlier = continue_metrics(ckpt_dir, run_dir, iteration)
+        if earlier is not None:
+            log.info("steps 1-%d were logged in %s: metrics.jsonl continues them", iteration, earlier)
+    done = nothing_to_train(ckpt_dir, iteration, int(trainer.train_iters))
+    if done:
+        log.warning(done)
 
     def save(at: int) -> None:
         if ckpt_dir is not None:
@@ -420,6 +436,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     while iteration < train_iters:
         step_start = time.perf_counter()
         batches = data.next_step()
+        lr = run.optimizer.param_groups[0][
+            "lr"
+        ]  # the rate this step's update applies (the schedule moves after)
         profiled = profile_step is not None and iteration + 1 == int(profile_step)
         with profile(enabled=profiled, device=run.runtime.device) as prof:
             losses, outcome = train_step(run, batches)
@@ -431,7 +450,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if log_now or profiled:
             # what the host knows now (the step's data, its time, the schedule); the device values join later
             record = _step_record(iteration, time.perf_counter() - step_start, run)
-            record["lr"] = run.optimizer.param_groups[0]["lr"]
+            record["lr"] = lr
             if profiled:
                 record |= prof.summary(run_dir if run.logging_rank else None)
             if eval_interval and iteration % int(eval_interval) == 0:
@@ -459,7 +478,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             break
     else:
         settle(scalars.drain())
-        if ckpt_dir is not None and not (save_interval and iteration % int(save_interval) == 0):
+        trained = iteration > started_at  # a complete run resumed again saves nothing new
+        if ckpt_dir is not None and trained and not (save_interval and iteration % int(save_interval) == 0):
             save(iteration)
     summary = {
         "iterations": iteration,
@@ -493,6 +513,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             data.dropped,
             cfg.dataset.get("overlong", "truncate"),
         )
+        log.info("run directory: %s", run_dir.resolve())
     stop.close()
     _shutdown()
     return summary
