@@ -34,6 +34,7 @@ the file; a file that has bad lines is not cached (fixing it changes its modific
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,6 +62,7 @@ __all__ = [
 ]
 
 VALIDATE = ("auto", "parse", "tokenize")
+BAD_LINES = ("error", "skip")
 AUTO_TOKENIZE_LINES = 100_000
 AUTO_TOKENIZE_CHAT_LINES = 10_000
 # Bump when the checks or the stored arrays change: it is part of the cache key.
@@ -86,6 +88,9 @@ class JsonlIndex:
     seconds: float
     cached: bool
     cache_path: Path | None
+    skipped: list[str] = dataclasses.field(
+        default_factory=list
+    )  # bad_lines="skip": each left-out line's error
 
     @property
     def tokenized(self) -> bool:
@@ -115,9 +120,10 @@ def text_rules(tokenizer) -> LineRules:
     """The rules of :mod:`thdpack.data.jsonl`'s rows (``text``, ``input_ids``, ``prompt``, ``messages``)."""
     vocab_size = tokenizer.vocab_size
     chat = getattr(tokenizer, "has_chat_template", False)
+    roles = getattr(tokenizer, "chat_roles", None)
     return LineRules(
         name="text",
-        check=lambda record, where: check_record(record, vocab_size, where),
+        check=lambda record, where: check_record(record, vocab_size, where, roles),
         length=lambda record, kind, where: len(tokenize_record(record, kind, tokenizer, where)[0]),
         auto_tokenize_lines=AUTO_TOKENIZE_CHAT_LINES if chat else AUTO_TOKENIZE_LINES,
     )
@@ -143,9 +149,11 @@ def index_jsonl(
     max_errors: int = 20,
     cache_dir=None,
     rules: LineRules | None = None,
+    bad_lines: str = "error",
 ) -> JsonlIndex:
     """Check every line of ``path`` (see the module docstring); raise one ``ValueError`` that names every bad
-    line's file:line (the first ``max_errors``) and their count. ``cache_dir``: default
+    line's file:line (the first ``max_errors``) and their count, or with ``bad_lines="skip"`` leave them out of the
+    index (``JsonlIndex.skipped`` holds their errors). ``cache_dir``: default
     :func:`~thdpack.data.cache.cache_root`; False: neither read nor write a cache. ``rules``: what a line is
     (default :func:`text_rules` of ``tokenizer``)."""
     rules = rules or text_rules(tokenizer)
@@ -153,6 +161,8 @@ def index_jsonl(
     path = Path(path)
     if validate not in VALIDATE:
         raise ValueError(f"dataset.validate is '{validate}': it must be one of {list(VALIDATE)}")
+    if bad_lines not in BAD_LINES:
+        raise ValueError(f"dataset.bad_lines is '{bad_lines}': it must be one of {list(BAD_LINES)}")
     if not path.is_file():
         raise ValueError(f"dataset.path '{path}' is not a file")
     stat = path.stat()
@@ -181,16 +191,31 @@ def index_jsonl(
     data = path.read_bytes()
     starts, ends, lines = line_offsets(np.frombuffer(data, dtype=np.uint8))
     tokenize = validate == "tokenize" or (validate == "auto" and len(starts) <= rules.auto_tokenize_lines)
-    lengths = _check_lines(path, data, starts, ends, lines, rules, tokenize, max_errors)
-    if cache_path is not None:
+    lengths, bad = _check_lines(path, data, starts, ends, lines, rules, tokenize, max_errors, bad_lines)
+    if bad:  # bad_lines="skip": the index holds the good lines; not cached (the file is to be fixed)
+        keep = np.ones(len(starts), bool)
+        keep[[i for i, _ in bad]] = False
+        starts, ends, lines = starts[keep], ends[keep], lines[keep]
+        lengths = None if lengths is None else lengths[keep]
+        if not len(starts):
+            raise ValueError(
+                f"{path}: every one of its {len(bad)} line(s) is bad: nothing to train on\n  {bad[0][1]}"
+            )
+    elif cache_path is not None:
         _save(cache_path, key, starts, ends, lines, lengths)
-    return JsonlIndex(starts, ends, lines, lengths, time.perf_counter() - start, False, cache_path)
+    elapsed = time.perf_counter() - start
+    return JsonlIndex(starts, ends, lines, lengths, elapsed, False, cache_path, [error for _, error in bad])
 
 
-def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bool, max_errors: int):
+def _check_lines(
+    path, data, starts, ends, lines, rules: LineRules, tokenize: bool, max_errors: int, bad_lines: str
+):
+    """The lengths (when tokenizing) and, with ``bad_lines="skip"``, the ``(index, error)`` of each bad line;
+    with ``"error"`` a bad line raises (every one counted, the first ``max_errors`` quoted)."""
     lengths = np.zeros(len(starts), np.int64) if tokenize else None
     check, length, loads = rules.check, rules.length, json.loads
     errors: list[str] = []
+    skipped: list[tuple[int, str]] = []
     bad = 0
     for i, (s, e, line) in enumerate(zip(starts.tolist(), ends.tolist(), lines.tolist(), strict=True)):
         where = f"{path}:{line}"
@@ -205,6 +230,9 @@ def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bo
             if tokenize:
                 lengths[i] = length(record, kind, where)
         except ValueError as err:
+            if bad_lines == "skip":
+                skipped.append((i, str(err)))
+                continue
             bad += 1
             if len(errors) < max_errors:
                 errors.append(str(err))
@@ -212,9 +240,9 @@ def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bo
         shown = f"the first {len(errors)}" if len(errors) < bad else "all"
         raise ValueError(
             f"{path}: {bad} bad line(s) of {len(starts)} (every line is checked before training; {shown} "
-            "below):\n  " + "\n  ".join(errors)
+            "below; dataset.bad_lines=skip leaves them out):\n  " + "\n  ".join(errors)
         )
-    return lengths
+    return lengths, skipped
 
 
 def _ends_digest(path: Path, size: int, span: int = 1 << 20) -> str:

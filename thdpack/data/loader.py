@@ -271,12 +271,13 @@ def build_dataset(
     synthetic: Mapping | None = None,
     validate: str = "auto",
     vlm: Mapping | None = None,
+    bad_lines: str = "error",
 ) -> SampleDataset:
     """The dataset ``name`` (``embedded``, ``embedded_sft``, ``jsonl``, ``megatron_indexed``, ``synthetic``, or the
     image chat datasets ``embedded_vlm`` and ``jsonl_vlm``); ``path`` is the JSONL file or the indexed prefix
     (unused by the embedded ones; ``max_files`` is their subset option); ``synthetic``: the keyword arguments of
     :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary; ``validate``: the JSONL start-up pass
-    (:mod:`thdpack.data.jsonl_index`; ``jsonl`` and ``jsonl_vlm``); ``vlm``: the keyword arguments of
+    (:mod:`thdpack.data.jsonl_index`; ``jsonl`` and ``jsonl_vlm``, and ``bad_lines``: ``error`` or ``skip``); ``vlm``: the keyword arguments of
     :class:`~thdpack.data.embedded_vlm.EmbeddedVLDataset` but the processor. The image chat datasets take the
     checkpoint's processor (:class:`thdpack.hf.processor.VLProcessor`) as ``tokenizer``."""
     if name == "embedded":
@@ -288,7 +289,7 @@ def build_dataset(
 
         return EmbeddedSFTDataset(tokenizer, max_files=max_files)
     if name in VISION_DATASETS:
-        return _vision_dataset(name, path, tokenizer, vlm or {}, validate)
+        return _vision_dataset(name, path, tokenizer, vlm or {}, validate, bad_lines)
     if name == "synthetic":
         from .synthetic import SyntheticDataset
 
@@ -304,13 +305,15 @@ def build_dataset(
     if name == "jsonl":
         from .jsonl import JsonlDataset
 
-        return JsonlDataset(path, tokenizer, validate=validate)
+        return JsonlDataset(path, tokenizer, validate=validate, bad_lines=bad_lines)
     from .indexed import MegatronIndexedDataset
 
     return MegatronIndexedDataset(path, tokenizer.vocab_size)
 
 
-def _vision_dataset(name: str, path: str | None, processor, options: Mapping, validate: str) -> SampleDataset:
+def _vision_dataset(
+    name: str, path: str | None, processor, options: Mapping, validate: str, bad_lines: str
+) -> SampleDataset:
     if not hasattr(processor, "encode_chat"):
         raise ValueError(
             f"dataset.name={name} needs a vision-language checkpoint's processor: set model.pretrained to a "
@@ -324,7 +327,7 @@ def _vision_dataset(name: str, path: str | None, processor, options: Mapping, va
         raise ValueError("dataset.path is required for dataset.name=jsonl_vlm")
     from .vlm import VisionJsonlDataset
 
-    return VisionJsonlDataset(path, processor, validate=validate)
+    return VisionJsonlDataset(path, processor, validate=validate, bad_lines=bad_lines)
 
 
 _MISSING = object()
@@ -387,6 +390,7 @@ def build_train_data(
             synthetic=get("synthetic", None),
             validate=get("validate", "auto"),
             vlm=get("vlm", None),
+            bad_lines=get("bad_lines", "error"),
         )
     data = TrainData(
         dataset,

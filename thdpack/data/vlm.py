@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .jsonl import JsonlDataset
 from .jsonl_index import LineRules
+from .jsonl_records import check_role, require_assistant
 from .samples import Sample
 
 __all__ = ["AUTO_TOKENIZE_LINES", "VisionJsonlDataset", "encoded_sample", "load_image"]
@@ -62,6 +63,13 @@ def load_image(path: Path, where: str):
         raise ValueError(f"{where}: image '{path}' cannot be read as an image ({e})") from None
 
 
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 class VisionJsonlDataset(JsonlDataset):
     """A JSONL file of image chat rows (see module docstring) as a sequence of :class:`Sample`.
 
@@ -77,14 +85,28 @@ class VisionJsonlDataset(JsonlDataset):
     Args:
         path: the file; relative image paths are resolved against its folder.
         processor: the checkpoint's :class:`~thdpack.hf.processor.VLProcessor`.
-        validate, max_errors, cache_dir: as :class:`~thdpack.data.jsonl.JsonlDataset`'s.
+        validate, max_errors, cache_dir, bad_lines: as :class:`~thdpack.data.jsonl.JsonlDataset`'s.
     """
 
     def __init__(
-        self, path: str | Path, processor, *, validate: str = "auto", max_errors: int = 20, cache_dir=None
+        self,
+        path: str | Path,
+        processor,
+        *,
+        validate: str = "auto",
+        max_errors: int = 20,
+        cache_dir=None,
+        bad_lines: str = "error",
     ):
         self.processor = processor
-        super().__init__(path, processor, validate=validate, max_errors=max_errors, cache_dir=cache_dir)
+        super().__init__(
+            path,
+            processor,
+            validate=validate,
+            max_errors=max_errors,
+            cache_dir=cache_dir,
+            bad_lines=bad_lines,
+        )
 
     def line_rules(self) -> LineRules:
         return LineRules(
@@ -125,10 +147,17 @@ class VisionJsonlDataset(JsonlDataset):
                 f"{where}: each line must be an object with a non-empty 'messages' list (image chat rows)"
             )
         messages, paths = [], []
+        roles = getattr(self.processor, "chat_roles", None)
         for turn, message in enumerate(record["messages"]):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"{where}: messages[{turn}] must be an object with a string 'role'")
+            check_role(message["role"], turn, where, roles)
             content = message.get("content")
+            if message["role"] == "assistant" and not _text_of(content).strip():
+                raise ValueError(
+                    f"{where}: messages[{turn}] is an assistant turn with no text: it would train on its "
+                    "end-of-turn token alone"
+                )
             if isinstance(content, str):
                 messages.append({"role": message["role"], "content": content})
                 continue
@@ -152,8 +181,7 @@ class VisionJsonlDataset(JsonlDataset):
                         f"'path': str}}, got {part!r:.80}"
                     )
             messages.append({"role": message["role"], "content": parts})
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError(f"{where}: no assistant message: the loss is on the assistant turns only")
+        require_assistant([m["role"] for m in messages], where)
         return messages, paths
 
     def _image_path(self, part: dict, where: str, name: str) -> Path:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import HFCheckpoint, HFConfigError
+from .tokenizer import check_rendered, template_roles
 from .vl_checkpoint import VLFacts, has_vision, rope_index, vl_facts
 
 __all__ = ["EncodedChat", "VLProcessor", "dataset_processor", "load_image_processor", "processor_for"]
@@ -89,6 +90,7 @@ class VLProcessor:
             )
         if not self.tokenizer.chat_template:
             raise ValueError(f"{self.directory}: the tokenizer has no chat template (chat_template.jinja)")
+        self.chat_roles = template_roles(self.render, self.tokenizer.chat_template)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.facts.image_token_id)
         vocab = len(self.tokenizer)
         self.vocab_size = vocab
@@ -128,6 +130,7 @@ class VLProcessor:
             whose image placeholders are not one per image, an image-token count that does not match the grids.
         """
         text = self.render(messages)
+        check_rendered(messages, text, where, self.directory)
         spans = self._assistant_spans(messages, text, where)
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):

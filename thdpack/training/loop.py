@@ -285,6 +285,7 @@ def _build_data(cfg: DictConfig, ps):
         synthetic=data_cfg.get("synthetic"),
         validate=data_cfg.get("validate", "auto"),
         vlm=data_cfg.get("vlm"),
+        bad_lines=data_cfg.get("bad_lines", "error"),
     )
     dataset, held_out = split_holdout(
         dataset, int(trainer.eval_samples) if trainer.get("eval_interval") else 0

@@ -197,7 +197,12 @@ def _dataset(dataset: Mapping, dp: int | None) -> None:
     _integer("dataset.seq_length", dataset["seq_length"], low=1)
     mbs = _integer("dataset.micro_batch_size", dataset["micro_batch_size"], low=1)
     gbs = _integer("dataset.global_batch_size", dataset["global_batch_size"], low=1)
-    for key, allowed in (("mode", PACKING_MODES), ("overlong", OVERLONG), ("pad_to", PAD_TO)):
+    for key, allowed in (
+        ("mode", PACKING_MODES),
+        ("overlong", OVERLONG),
+        ("pad_to", PAD_TO),
+        ("bad_lines", ("error", "skip")),
+    ):
         value = dataset.get(key, allowed[0])
         if value not in allowed:
             raise ConfigError(f"dataset.{key} is '{value}': it must be one of {', '.join(allowed)}")
