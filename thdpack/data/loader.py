@@ -243,6 +243,22 @@ class TrainData:
             f"dataset.overlong={self.overlong}, they are {rule}"
         )
 
+    def largest_micro_batch_tokens(self, packed: bool) -> int | None:
+        """The most tokens one micro-batch can hold with this dataset (its lengths known up front; else None). A
+        micro-batch the step packs (``packed``) holds at most its token budget and at most the longest samples (cut
+        to the limit) of one global batch, or of ``micro_batch_size`` samples; a padded one is ``micro_batch_size``
+        rows of ``seq_length`` (``pad_to="longest"``: of the longest sample)."""
+        lengths = known_lengths(self.dataset)
+        if lengths is None or not len(lengths):
+            return None
+        longest = np.sort(np.minimum(lengths, self.max_length))[::-1]
+        if self.micro_batch_tokens is not None:
+            return int(min(self.micro_batch_tokens, longest[: self.global_batch_size].sum()))
+        if packed:
+            return int(longest[: self.micro_batch_size].sum())
+        width = int(longest[0]) if self.pad_to == "longest" else self.seq_length
+        return self.micro_batch_size * width
+
     def state_dict(self) -> dict[str, int]:
         """Python ints, the same on every rank: enough to continue the exact stream after a restart."""
         state = {key: int(getattr(self, key)) for key in _STATE_KEYS}

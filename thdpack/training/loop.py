@@ -33,6 +33,7 @@ from .checks import check_recipe
 from .config_error import ConfigError, exit_with
 from .deferred import DeferredScalars
 from .flops import FlopsModel
+from .memory import check_memory
 from .metrics import MetricsWriter, memory_summary, summarize
 from .overrides import check_overrides
 from .profiling import profile
@@ -161,7 +162,8 @@ def setup_run(cfg: DictConfig) -> Run:
     runtime = resolve_runtime(
         trainer.precision, cfg.model.attention_backend, fp8_recipe=trainer.get("fp8_recipe")
     )
-    for warning in check_recipe(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device):
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    for warning in check_recipe(cfg, world_size=world_size, device=runtime.device, memory=False):
         log.warning(warning)
     family = get_family(cfg.model.family)
     init_distributed(
@@ -186,6 +188,14 @@ def setup_run(cfg: DictConfig) -> Run:
         report = startup_report(data)  # raises for dataset.overlong=error with overlong samples known now
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    # sized by the micro-batches this data fills, not only by what the recipe allows
+    check_memory(
+        cfg,
+        world_size=world_size,
+        device=runtime.device,
+        backend=runtime.backend,
+        data_tokens=data.largest_micro_batch_tokens(packed),
+    )
     budget = data_cfg.micro_batch_tokens
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
     for line in report:
