@@ -60,7 +60,9 @@ def load_image_processor(directory: str | Path):
     before: ``use_fast=False``)."""
     import importlib.util
 
-    from transformers import AutoImageProcessor
+    # The module's class, not the top-level name: transformers 5.17 exports a stand-in there that asks for
+    # torchvision (5.18 and later export the class itself).
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     if importlib.util.find_spec("transformers.image_processing_backends") is not None:
         return AutoImageProcessor.from_pretrained(str(directory), local_files_only=True, backend="pil")
