@@ -31,7 +31,7 @@ import torch
 
 from .budget import DEFAULT_COST_WEIGHTS, plan_microbatches
 from .collate import PAD_TO, collate
-from .samples import Sample, SampleDataset, known_lengths
+from .samples import Sample, SampleDataset, known_lengths, known_min_lengths
 
 __all__ = [
     "OVERLONG",
@@ -221,9 +221,10 @@ class TrainData:
             "drop": "dropped (the stream refills the batch)",
             "error": "refused (an error)",
         }[self.overlong]
+        uncut = self._check_images_fit(limit)
         lengths = known_lengths(self.dataset)
         if lengths is None:
-            return (
+            return uncut + (
                 f"sample lengths are not known before training: samples longer than {limit} will be {rule} "
                 f"(dataset.overlong={self.overlong}); the step log counts them"
             )
@@ -258,6 +259,28 @@ class TrainData:
             return int(longest[: self.micro_batch_size].sum())
         width = int(longest[0]) if self.pad_to == "longest" else self.seq_length
         return self.micro_batch_size * width
+
+    def _check_images_fit(self, limit: str) -> str:
+        """Raise for samples whose image tokens run past the limit (known up front, :func:`known_min_lengths`):
+        ``truncate`` would crop an image and ``error`` refuses them; with ``drop``, the words that count them."""
+        keep = known_min_lengths(self.dataset)
+        if keep is None:
+            return ""
+        over = np.flatnonzero(keep > self.max_length)
+        if not over.size:
+            return ""
+        if self.overlong == "drop":
+            return f"{over.size} samples hold more image tokens than {limit} and will be dropped; "
+        sources = ", ".join(f"{self.dataset[int(i)].source} (images to token {keep[i]})" for i in over[:5])
+        rule = {
+            "truncate": "dataset.overlong=truncate would crop an image, which is never done",
+            "error": "dataset.overlong=error refuses them",
+        }[self.overlong]
+        raise ValueError(
+            f"{over.size} of {len(keep)} samples hold image tokens past {limit}: {rule}. Use dataset.overlong=drop, "
+            f"raise dataset.seq_length to at least {int(keep[over].max())}, or shrink the images (max_pixels in "
+            f"the model's preprocessor_config.json); the first: {sources}"
+        )
 
     def state_dict(self) -> dict[str, int]:
         """Python ints, the same on every rank: enough to continue the exact stream after a restart."""

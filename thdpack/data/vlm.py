@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .jsonl import JsonlDataset
 from .jsonl_index import LineRules
 from .jsonl_records import check_role, require_assistant
 from .samples import Sample
 
-__all__ = ["AUTO_TOKENIZE_LINES", "VisionJsonlDataset", "encoded_sample", "load_image"]
+__all__ = ["AUTO_TOKENIZE_LINES", "VisionJsonlDataset", "encoded_sample", "load_image", "shortest_cut"]
 
 # validate="auto" reads every image and runs the processor at start-up for files of at most this many lines.
 # Measured (python benchmarks/jsonl_vlm_validation.py, the tests' processor, on this repository's shared 2-core CPU
@@ -48,6 +50,13 @@ def encoded_sample(encoded, where: str) -> Sample:
         mm_token_type_ids=encoded.mm_token_type_ids,
         media={"pixel_values": encoded.pixel_values, "image_grid_thw": encoded.image_grid_thw},
     )
+
+
+def shortest_cut(sample: Sample) -> int:
+    """The shortest prefix of ``sample`` a truncation may keep: through its last image token (0 without)."""
+    types = sample.mm_token_type_ids
+    image = np.flatnonzero(types) if types is not None else np.zeros(0, np.int64)
+    return int(image[-1]) + 1 if image.size else 0
 
 
 def load_image(path: Path, where: str):
@@ -109,12 +118,41 @@ class VisionJsonlDataset(JsonlDataset):
         )
 
     def line_rules(self) -> LineRules:
+        def measure(record, kind, where):
+            sample = self.sample(record, where)
+            return len(sample), shortest_cut(sample)
+
         return LineRules(
             name="image_chat",
             check=self.check,
-            length=lambda record, kind, where: len(self.sample(record, where)),
+            length=measure,
             auto_tokenize_lines=AUTO_TOKENIZE_LINES,
+            keep=self.image_tokens,
+            files=lambda record, where: [path for _, path in self.structure(record, where)[1]],
         )
+
+    @property
+    def min_lengths(self):
+        """int64 ``[N]``: per sample, the shortest prefix a truncation may keep (its image tokens whole): exact
+        after the tokenizing pass, a lower bound (the image tokens alone) after the parse pass."""
+        return self.index.keep
+
+    def image_tokens(self, record, where: str) -> int:
+        """The image tokens of a row from its images' sizes (each file's header read, not its pixels): what the
+        parse pass knows of a sample's length. An unreadable header raises naming the image."""
+        from PIL import Image, UnidentifiedImageError
+
+        total = 0
+        for name, path in self.structure(record, where)[1]:
+            try:
+                with Image.open(path) as image:
+                    width, height = image.size
+            except (UnidentifiedImageError, OSError) as e:
+                raise ValueError(
+                    f"{where}: {name}: image '{path}' cannot be read as an image ({e})"
+                ) from None
+            total += self.processor.image_tokens_of_size(height, width) or 0
+        return total
 
     def check(self, record, where: str) -> str:
         """The row's kind (``"messages"``) after checking its structure and that its image files exist (not read:

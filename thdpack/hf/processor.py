@@ -104,6 +104,14 @@ class VLProcessor:
         bos = self.tokenizer.bos_token_id
         self.bos_id = int(bos) if bos is not None else self.pad_id
 
+    def image_tokens_of_size(self, height: int, width: int) -> int | None:
+        """The image tokens of an image of ``height`` x ``width`` pixels, by the image processor's resize rule
+        (its ``get_number_of_image_patches``; None where it has none)."""
+        patches = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if patches is None:
+            return None
+        return int(patches(height, width, {})) // self.merge_size**2
+
     # -- the tokenizer interface of thdpack.data -------------------------------------------------------
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
