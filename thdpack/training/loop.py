@@ -186,7 +186,7 @@ def setup_run(cfg: DictConfig) -> Run:
     try:  # the data's checks name the file, the line and the rule
         tokenizer, dataset, held_out, data_kwargs, data = _build_data(cfg, ps)
         report = startup_report(data)  # raises for dataset.overlong=error with overlong samples known now
-    except ValueError as error:
+    except (ValueError, ImportError) as error:  # ImportError: a package the data needs, named with its extra
         raise ConfigError(str(error)) from None
     # sized by the micro-batches this data fills, not only by what the recipe allows
     check_memory(
@@ -447,9 +447,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     while iteration < train_iters:
         step_start = time.perf_counter()
         batches = data.next_step()
-        lr = run.optimizer.param_groups[0][
-            "lr"
-        ]  # the rate this step's update applies (the schedule moves after)
+        # the rate this step's update applies (the schedule moves after the update)
+        lr = run.optimizer.param_groups[0]["lr"]
         profiled = profile_step is not None and iteration + 1 == int(profile_step)
         with profile(enabled=profiled, device=run.runtime.device) as prof:
             losses, outcome = train_step(run, batches)
