@@ -3,32 +3,27 @@ vision-language directory without pytest installed, which thdpack's processor re
 
 from __future__ import annotations
 
-import os
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_tiny_vision_language_directory_is_made_without_pytest(tmp_path):
+def test_a_tiny_vision_language_directory_is_made_without_pytest(tmp_path, monkeypatch):
     from PIL import Image
 
     from thdpack.hf.processor import VLProcessor
 
-    blocked = "import sys, runpy; sys.modules['pytest'] = None; sys.argv = sys.argv[1:]; "
-    runner = blocked + "runpy.run_path(sys.argv[0], run_name='__main__')"
-    argv = [
-        sys.executable,
-        "-c",
-        runner,
-        str(ROOT / "tests/make_tiny_hf.py"),
-        str(tmp_path / "vl"),
-        "--family",
-        "qwen2_5_vl",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    subprocess.run(argv, check=True, capture_output=True, env=env, cwd=tmp_path)
+    # the script and the model helpers it imports, loaded afresh where importing pytest fails
+    monkeypatch.setitem(sys.modules, "pytest", None)
+    monkeypatch.delitem(sys.modules, "tests.vlm_models", raising=False)
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", ROOT / "tests" / "make_tiny_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["make_tiny_hf.py", str(tmp_path / "vl"), "--family", "qwen2_5_vl"])
+    script.main()
+
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
         {"role": "assistant", "content": "A red square."},
