@@ -55,7 +55,15 @@ def test_deleting_a_key_thdpack_reads_is_refused():
 
 def test_hydra_keys_and_flags_pass_through():
     check_overrides(
-        ["--cfg", "job", "hydra.run.dir=/tmp/x", "dataset=jsonl", "dataset.path=a.jsonl"], recipes_dir()
+        [
+            "--cfg",
+            "job",
+            "hydra.run.dir=/tmp/x",
+            "hydra/job_logging=disabled",
+            "dataset=jsonl",
+            "dataset.path=a",
+        ],
+        recipes_dir(),
     )
 
 

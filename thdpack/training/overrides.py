@@ -49,7 +49,7 @@ def check_overrides(argv: Sequence[str], recipes: Path) -> None:
             chosen[key] = _option(key, override.value(), recipes)
     for override in overrides:
         path = tuple(override.key_or_group.split("."))
-        if path[0] == "hydra" or (len(path) == 1 and path[0] in GROUPS):
+        if path[0].split("/")[0] == "hydra" or (len(path) == 1 and path[0] in GROUPS):  # hydra.*, hydra/*
             continue
         _check(override, path, chosen, recipes)
 
