@@ -7,7 +7,8 @@
 # NPROC defaults to the number of visible GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi), or 1 without a GPU.
 # Every rank writes to one run directory: outputs/$THDPACK_RUN_STAMP (a time stamp unless set), or the
 # hydra.run.dir=... given among the overrides; torchrun's per-rank logs go to its logs/ folder.
-# Environment: PYTHON (python), OMP_NUM_THREADS (cores / NPROC), THDPACK_RUN_STAMP. Exits with torchrun's code.
+# Environment: PYTHON (python), OMP_NUM_THREADS (cores / NPROC), THDPACK_RUN_STAMP. Exits with torchrun's code,
+# or 2 when the recipe cannot run (its message printed once, by rank 0).
 set -euo pipefail
 
 visible_gpus() {
@@ -38,7 +39,36 @@ done
 threads=$(($(nproc) / NPROC))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
 
+# A recipe that cannot run exits with code 2 on its ranks, after rank 0 printed the message; torchrun then adds
+# its ChildFailedError traceback, which says nothing more. torchrun's stderr goes through this filter: its report
+# of a failure where every rank exited 2 (or was ended by torchrun, -15, after one did) is dropped (the filter exits
+# 3, the script 2); any other is printed.
+# The ranks' own lines come prefixed ([default0]:...), so only torchrun's unprefixed traceback is held back.
+FILTER='
+    !held && /^Traceback \(most recent call last\):/ { held = 1 }
+    held { buffer = buffer $0 "\n"; if ($0 ~ /exitcode *: 2 /) two++; else if ($0 ~ /exitcode *: -15 /) killed++; else if ($0 ~ /exitcode *: /) other++; next }
+    / failed \(exitcode: 2\) local_rank: | closing signal SIGTERM$/ { next }
+    { print; fflush() }
+    END { if (held && two && !other && buffer ~ /ChildFailedError/) exit 3; printf "%s", buffer }'
+
 echo "thdpack: $NPROC process(es) on $(hostname), run directory $RUN_DIR, rank logs in $RUN_DIR/logs" >&2
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+fifo=$(mktemp -u "${TMPDIR:-/tmp}/thdpack-torchrun.XXXXXX")
+mkfifo "$fifo"
+trap 'rm -f "$fifo"' EXIT
+(trap '' INT TERM; exec awk "$FILTER" <"$fifo" >&2) &
+filter=$!
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     --log-dir "$RUN_DIR/logs" --tee 3 \
-    -m thdpack.train "$@"
+    -m thdpack.train "$@" 2>"$fifo" &
+agent=$!
+# A background job ignores Ctrl-C: the script passes it (and SIGTERM) on to torchrun, which stops its ranks.
+trap 'kill -TERM "$agent" 2>/dev/null' INT TERM
+while :; do
+    rc=0
+    wait "$agent" || rc=$?
+    ((rc > 128)) && kill -0 "$agent" 2>/dev/null || break  # a wait cut short by a signal
+done
+filtered=0
+wait "$filter" || filtered=$?
+((filtered == 3)) && exit 2
+exit "$rc"

@@ -13,8 +13,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
 from tests.hf_tokenizers import (
     QWEN2_VL_CHAT_TEMPLATE,
     QWEN3_VL_CHAT_TEMPLATE,
@@ -348,19 +346,24 @@ def released_orientation(directory: str | Path, copy: str | Path) -> Path:
     return copy
 
 
-@pytest.fixture(scope="session")
-def tiny_vl(tmp_path_factory) -> Path:
-    """One tiny Qwen2.5-VL directory for the whole test session (import the fixture into a test module)."""
-    return build_tiny_vl(tmp_path_factory.mktemp("tiny_vl"))
+try:  # the builders above run without pytest (python tests/make_tiny_hf.py); the session fixtures need it
+    import pytest
+except ImportError:
+    pytest = None
 
+if pytest is not None:
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_vl(tmp_path_factory) -> Path:
-    """One tiny Qwen3-VL directory for the whole test session (import the fixture into a test module)."""
-    return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl")
+    @pytest.fixture(scope="session")
+    def tiny_vl(tmp_path_factory) -> Path:
+        """One tiny Qwen2.5-VL directory for the whole test session (import the fixture into a test module)."""
+        return build_tiny_vl(tmp_path_factory.mktemp("tiny_vl"))
 
+    @pytest.fixture(scope="session")
+    def tiny_qwen3_vl(tmp_path_factory) -> Path:
+        """One tiny Qwen3-VL directory for the whole test session (import the fixture into a test module)."""
+        return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl")
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_vl_moe(tmp_path_factory) -> Path:
-    """One tiny Qwen3-VL-MoE directory for the whole test session (import the fixture into a test module)."""
-    return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_moe"), family="qwen3_vl_moe")
+    @pytest.fixture(scope="session")
+    def tiny_qwen3_vl_moe(tmp_path_factory) -> Path:
+        """One tiny Qwen3-VL-MoE directory for the whole test session (import the fixture into a test module)."""
+        return build_tiny_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_moe"), family="qwen3_vl_moe")

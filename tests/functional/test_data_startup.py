@@ -86,8 +86,10 @@ def test_overlong_samples_are_counted_at_start_up_and_truncations_on_the_console
         "data: 4 of 16 samples (25.0%) are longer than seq_length (64): dataset.overlong=truncate, they are "
         "truncated to their first 64 tokens" in result.output
     )
-    assert "step 1 | " in result.output and "| 1 truncated" in result.output  # samples 0-3 hold one long one
-    assert "| 2 truncated" in result.output
+    assert (
+        "step 1 | " in result.output and "| 1 truncated so far" in result.output
+    )  # samples 0-3 hold one long one
+    assert "| 2 truncated so far" in result.output
     assert "data: 8 samples trained on, 2 truncated, 0 dropped (dataset.overlong=truncate)" in result.output
     assert [r["samples_truncated"] for r in result.records] == [1, 2]
 

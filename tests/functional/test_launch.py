@@ -122,9 +122,11 @@ def test_torchrun_script_starts_one_process_without_a_gpu(torchrun_bad_recipe):
     assert "thdpack: 1 process(es)" in torchrun_bad_recipe.output
 
 
-def test_torchrun_script_exits_with_torchruns_code(torchrun_bad_recipe):
-    assert torchrun_bad_recipe.returncode == 1
-    assert "trainer.on_nonfinite is 'ignore'" in torchrun_bad_recipe.output
+def test_torchrun_script_ends_a_recipe_that_cannot_run_with_its_message_once_and_code_2(torchrun_bad_recipe):
+    assert torchrun_bad_recipe.returncode == 2
+    assert torchrun_bad_recipe.output.count("trainer.on_nonfinite is 'ignore'") == 1
+    assert "ChildFailedError" not in torchrun_bad_recipe.output
+    assert "Traceback" not in torchrun_bad_recipe.output
 
 
 # --- time limits: signal -> save -> exit -> requeue -> resume ------------------------------------------------------

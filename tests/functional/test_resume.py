@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from thdpack.megatron.checkpoint import KILL_BEFORE_RENAME, latest_iteration
+from thdpack.training.resume import RUN_DIR_FILE
 
 from .training import (
     FAMILIES,
@@ -31,6 +32,11 @@ from .training import (
 )
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
+
+
+def checkpoint_files(ckpt: Path) -> list[str]:
+    """What checkpoint.dir holds but the note of the run directory that trained into it (thdpack.training.resume)."""
+    return sorted(p.name for p in ckpt.iterdir() if p.name != RUN_DIR_FILE)
 
 
 def logged(run: Run, steps) -> list[tuple]:
@@ -61,7 +67,7 @@ def interrupted(trained, tmp_path_factory, name, extra, stop=None, env=None) -> 
     if stop is not None:
         stop(started)
     first = finish(started)
-    latest, left = latest_iteration(ckpt), sorted(p.name for p in ckpt.iterdir())
+    latest, left = latest_iteration(ckpt), checkpoint_files(ckpt)
     resumed = run_train(command, root / "run", nproc)
     return Interrupted(first, latest, left, resumed, ckpt, trained(*overrides, nproc=nproc).check())
 
@@ -141,7 +147,7 @@ def test_kill_mid_save_leaves_the_previous_checkpoint_latest(killed_mid_save):
 
 def test_the_resumed_run_replaces_the_half_written_checkpoint(killed_mid_save):
     killed_mid_save.resumed.check()
-    left = sorted(p.name for p in killed_mid_save.ckpt.iterdir())
+    left = checkpoint_files(killed_mid_save.ckpt)
     assert left == ["iter_0000002", "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt"]
 
 
@@ -158,6 +164,10 @@ def test_starting_a_finished_run_again_keeps_its_checkpoint(killed_mid_save, tmp
     command = [*family("dense")[0], f"checkpoint.dir={killed_mid_save.ckpt}", "checkpoint.save_interval=2"]
     again = run_train(command, tmp_path / "run", env={KILL_BEFORE_RENAME: "6"}).check()
     assert f"resumed from {killed_mid_save.ckpt} at iteration 6" in again.output
+    assert (
+        f"nothing to train: the checkpoint in {killed_mid_save.ckpt} is at iteration 6 and " in again.output
+    )
+    assert "saved checkpoint" not in again.output
     assert latest_iteration(killed_mid_save.ckpt) == 6
 
 
@@ -237,7 +247,14 @@ def relaid(stopped_at_3, trained, tmp_path_factory):
 def test_resume_on_another_layout_continues_the_uninterrupted_run(relaid, change):
     resumed, reference = relaid(change)
     assert " at iteration 3" in resumed.check().output
-    assert resumed.steps == [4, 5, 6]
+    assert resumed.steps == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]  # the saved run's steps 1-3 start the new run directory's metrics
     by_step = {r["step"]: r for r in reference.records}
     for record in resumed.records:
         expected = by_step[record["step"]]

@@ -91,6 +91,18 @@ def test_a_run_writes_metrics_summary_curves_and_tensorboard(trained):
     assert events and all(e.stat().st_size > 0 for e in events)
 
 
+def test_warmup_updates_from_the_first_step_and_each_step_logs_the_rate_it_applied(trained):
+    # trainer=default: lr 1e-3 reached over lr_warmup_iters=2: step 1 updates with half of it, step 2 with all
+    records = run(trained, "dense").check().records
+    assert [r["lr"] for r in records[:2]] == [5e-4, 1e-3]
+    assert records[2]["lr"] < 1e-3  # the cosine decay from step 3
+
+
+def test_the_run_directory_is_printed_at_start_and_end(trained):
+    result = run(trained, "dense").check()
+    assert result.output.count(f"run directory: {result.run_dir.resolve()}") == 2
+
+
 def test_a_bad_recipe_fails_fast_with_the_checks_message(trained):
     result = trained(*BAD_RECIPE)
     assert result.returncode == 2  # the message alone, no traceback

@@ -63,6 +63,28 @@ def test_tp_must_divide_the_attention_heads_and_query_groups():
     )
 
 
+def test_a_tp_size_that_does_not_divide_the_heads_names_the_layouts_that_fit():
+    # 9 heads in 3 query groups (SmolLM2-135M's shape) on 2 ranks: no TP size fits both, the 2 ranks do otherwise
+    nine_heads = (
+        "model.config.num_attention_heads=9",
+        "model.config.num_query_groups=3",
+        "model.config.hidden_size=144",
+    )
+    fails(
+        "parallel=tp2",
+        *nine_heads,
+        match=r"num_query_groups \(3\); layouts that fit: tensor_model_parallel_size=1 \(2 data-parallel rank\(s\)\), "
+        r"or pipeline_model_parallel_size=2 \(with tensor_model_parallel_size=1\), or context_parallel_size=2",
+        world_size=2,
+    )
+    fails(
+        "parallel=tp2",
+        *nine_heads,
+        match=r"layouts that fit: parallel\.tensor_model_parallel_size=3, or",
+        world_size=6,
+    )
+
+
 def test_expert_parallelism_needs_a_model_with_experts():
     fails(
         "parallel=ep2",

@@ -71,7 +71,12 @@ def test_overlong_error_refuses_known_overlong_samples_before_step_one():
 
 
 def test_overlong_error_without_overlong_samples_passes():
-    assert make(Sized([5, 10]), overlong="error").check_overlong().startswith("0 of 2 samples")
+    assert make(Sized([5, 10]), overlong="error").check_overlong().startswith("all 2 samples fit")
+
+
+def test_without_overlong_samples_the_log_says_the_rule_has_nothing_to_do():
+    line = make(Sized([5, 10])).check_overlong()
+    assert line == "all 2 samples fit seq_length (10): dataset.overlong=truncate has nothing to do"
 
 
 def test_lengths_are_seen_through_a_held_out_split():
@@ -91,8 +96,8 @@ def test_the_start_up_report_of_a_jsonl_file_has_its_pass_and_the_overlong_count
     assert "at an earlier start (index loaded from" in again
 
 
-def test_the_console_line_shows_truncated_and_dropped_counts_once_they_happen():
+def test_the_console_line_shows_the_running_truncated_and_dropped_totals_once_they_happen():
     record = {"loss": 1.0, "samples_truncated": 0, "samples_dropped": 0}
     assert "truncated" not in _format(record) and "dropped" not in _format(record)
     line = _format({**record, "samples_truncated": 152, "samples_dropped": 3})
-    assert line.endswith("152 truncated | 3 dropped")
+    assert line.endswith("152 truncated so far | 3 dropped so far")

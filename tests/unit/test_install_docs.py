@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,3 +37,20 @@ def test_ci_installs_the_torch_the_readmes_cpu_line_installs_then_the_dev_extra(
 
 def test_ci_refuses_a_cuda_build_of_torch():
     assert any("torch.version.cuda" in c for c in ci_commands())
+
+
+def extra_requirements(name: str) -> list[str]:
+    """The requirements of pyproject.toml's extra ``name``, the thdpack[...] ones it names followed."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    out = []
+    for requirement in extras[name]:
+        nested = re.fullmatch(r"thdpack\[(\w+)\]", requirement)
+        out += extra_requirements(nested.group(1)) if nested else [requirement]
+    return out
+
+
+def test_the_vision_language_extra_never_pulls_a_second_torch():
+    names = [re.split(r"[<>=\[;! ]", r, maxsplit=1)[0].lower() for r in extra_requirements("vlm")]
+    assert "transformers" in names and "pillow" in names
+    assert not {"torch", "torchvision", "torchaudio"} & set(names)

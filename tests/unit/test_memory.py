@@ -206,3 +206,31 @@ def test_on_a_gpu_a_model_far_above_one_card_is_refused_and_llama3_1b_passes():
             recipe("model=llama3_8b", "model.config.num_layers=96"), world_size=1, device="cuda", backend="te"
         )
     check_memory(recipe("model=llama3_1b"), world_size=1, device="cuda", backend="te")
+
+
+def test_the_estimate_is_sized_by_the_micro_batches_the_data_fills():
+    # The fine-tuning case: micro_batch_size 8 x seq_length 1024 allows 8192-token micro-batches, but a global
+    # batch of the data's samples holds 541 tokens: the activations of 541 tokens are what the run will see.
+    cfg = recipe("model=llama3_1b", "dataset.micro_batch_size=8", "dataset.seq_length=1024")
+    allowed = estimate_memory(cfg, world_size=1, device="cpu", backend="torch")
+    seen = estimate_memory(cfg, world_size=1, device="cpu", backend="torch", data_tokens=541)
+    assert (allowed.tokens, seen.tokens) == (8192, 541)
+    between = int((seen.total + allowed.total) / 2 / MARGIN)
+    check_memory(cfg, world_size=1, device="cpu", backend="torch", available=between, data_tokens=541)
+    with pytest.raises(ConfigError, match=r"for 8192-token micro-batches \(dataset\.micro_batch_size=8 x "):
+        check_memory(cfg, world_size=1, device="cpu", backend="torch", available=between)
+
+
+def test_a_refusal_sized_by_the_data_says_so():
+    cfg = recipe("model=llama3_1b")
+    with pytest.raises(
+        ConfigError, match=r"for 300-token micro-batches \(the most the data's samples fill in one"
+    ):
+        check_memory(cfg, world_size=1, device="cpu", backend="torch", available=GIB, data_tokens=300)
+
+
+def test_on_a_gpu_the_refusal_is_printed_by_every_rank():
+    cfg = recipe("model=llama3_1b", "trainer.precision=bf16")
+    with pytest.raises(ConfigError) as refused:
+        check_memory(cfg, world_size=1, device="cuda", backend="te", available=GIB)
+    assert refused.value.every_rank

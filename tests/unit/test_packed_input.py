@@ -249,6 +249,60 @@ def test_bridge_offline_form_without_padding_mask_token_count_marks_the_trailing
     assert p.labels.tolist() == [[11, 12, 13, 14, 15, 16, 2, IGNORE]]
 
 
+def test_bridge_offline_global_batch_of_rows_with_different_sample_counts_is_adopted_side_by_side():
+    # test_collate_fn_supports_different_sequence_counts, collated as Bridge's test collates it (two rows, width 7):
+    # row 0 holds [10 11 12] [20 21 22] and a one-token fill, row 1 one sample of 7; boundaries filled by repeats.
+    batch = {
+        "tokens": torch.tensor([[10, 11, 12, 20, 21, 22, 2], [30, 31, 32, 33, 34, 35, 36]]),
+        "labels": torch.tensor([[11, 12, 13, 21, 22, 23, 2], [31, 32, 33, 34, 35, 36, 37]]),
+        "loss_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5, 6]]),
+        "token_count": [6, 7],
+        "padding_mask": torch.tensor([[False] * 6 + [True], [False] * 7]),
+        "attention_mask": None,
+        "cu_seqlens_q": torch.tensor([[0, 3, 6, 7], [0, 7, 7, 7]], dtype=I32),
+        "cu_seqlens_kv": torch.tensor([[0, 3, 6, 7], [0, 7, 7, 7]], dtype=I32),
+        "max_seqlen_q": torch.tensor([[3], [7]], dtype=I32),
+        "max_seqlen_kv": torch.tensor([[3], [7]], dtype=I32),
+    }
+    p = from_packed_batch(batch)
+    # row 0's fill is the tail of its last sample's slot, marked as pad; row 1 follows
+    assert p.cu_seqlens.tolist() == [0, 3, 6, 13] and p.cu_seqlens_padded.tolist() == [0, 3, 7, 14]
+    assert p.padding_mask.tolist() == [[False] * 6 + [True] + [False] * 7]
+    assert_real(
+        p, [10, 11, 12, 20, 21, 22, *range(30, 37)], [11, 12, 13, 21, 22, 23, *range(31, 38)], [1] * 13
+    )
+
+
+def test_bridge_offline_rows_without_padding_mask_take_the_fill_from_token_count():
+    batch = {
+        "tokens": torch.tensor([[10, 11, 12, 2], [20, 21, 22, 23]]),
+        "labels": torch.tensor([[11, 12, 2, 2], [21, 22, 23, 24]]),
+        "token_count": [3, 4],
+        "cu_seqlens_q": torch.tensor([[0, 3, 4], [0, 4, 4]], dtype=I32),
+    }
+    p = from_packed_batch(batch)
+    assert p.cu_seqlens.tolist() == [0, 3, 7] and p.cu_seqlens_padded.tolist() == [0, 4, 8]
+    assert p.padding_mask.int().tolist() == [[0, 0, 0, 1, 0, 0, 0, 0]]
+
+
+def test_bridge_offline_fill_inside_the_last_declared_sequence_is_marked_as_pad():
+    # test_collate_fn_marks_offline_trailing_padding_without_alignment's row with the fill inside the last
+    # declared sequence ([0, 8]), told by padding_mask or by token_count: the sample's slot keeps the fill as pad.
+    for told in ({"padding_mask": torch.tensor([[False] * 3 + [True] * 5])}, {"token_count": [3]}):
+        batch = {
+            "tokens": torch.tensor([[10, 11, 12, 2, 2, 2, 2, 2]]),
+            "labels": torch.tensor([[11, 12, 2, 2, 2, 2, 2, 2]]),
+            "loss_mask": torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0]]),
+            "cu_seqlens_q": torch.tensor([[0, 8]], dtype=I32),
+            **told,
+        }
+        p = from_packed_batch(batch)
+        assert p.cu_seqlens.tolist() == [0, 3] and p.cu_seqlens_padded.tolist() == [0, 8]
+        assert p.padding_mask.tolist() == [[False] * 3 + [True] * 5]
+        assert p.labels.tolist() == [[11, 12, 2] + [IGNORE] * 5]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Megatron-Bridge, in-batch packing: build_mcore_thd_sequence_batch_from_rows in
 # src/megatron/bridge/data/packing/in_batch.py (used by src/megatron/bridge/data/collators/sft.py).

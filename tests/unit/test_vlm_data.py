@@ -107,10 +107,12 @@ def test_an_unreadable_image_stops_the_tokenizing_build_naming_it(processor, tmp
         dataset(write_rows(tmp_path, [image_row("broken.png")]), processor, validate="tokenize")
 
 
-def test_an_unreadable_image_past_a_parsing_build_is_refused_when_read(processor, tmp_path):
-    (tmp_path / "broken.png").write_bytes(b"not a png")
-    data = dataset(write_rows(tmp_path, [image_row("broken.png")]), processor, validate="parse")
-    with pytest.raises(ValueError, match=r"data.jsonl:1: messages\[0\].content\[0\]: image '.*broken.png'"):
+def test_an_image_whose_pixels_are_cut_short_past_a_parsing_build_is_refused_when_read(processor, tmp_path):
+    # the parse pass reads each image's header (tests/unit/test_vlm_startup.py); pixels only a full read decodes
+    picture(56, 56).save(tmp_path / "cut.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "cut.png").read_bytes()[:60])
+    data = dataset(write_rows(tmp_path, [image_row("cut.png")]), processor, validate="parse")
+    with pytest.raises(ValueError, match=r"data.jsonl:1: messages\[0\].content\[0\]: image '.*cut.png'"):
         data[0]
 
 

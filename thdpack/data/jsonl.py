@@ -48,6 +48,7 @@ class JsonlDataset:
         validate: ``"parse"`` (every line parsed and checked), ``"tokenize"`` (also tokenized: sample lengths
             known up front) or ``"auto"``; see :func:`~thdpack.data.jsonl_index.index_jsonl`.
         max_errors: bad lines quoted in the error (all are counted).
+        bad_lines: ``"error"`` (a bad line stops the start) or ``"skip"`` (left out, counted in :attr:`summary`).
         cache_dir: where the index is cached (default :func:`~thdpack.data.cache.cache_root`); False: no cache.
 
     A file of other rows subclasses it with its own :meth:`line_rules` (the start-up pass's check and length) and
@@ -59,7 +60,14 @@ class JsonlDataset:
     """
 
     def __init__(
-        self, path: str | Path, tokenizer, *, validate: str = "auto", max_errors: int = 20, cache_dir=None
+        self,
+        path: str | Path,
+        tokenizer,
+        *,
+        validate: str = "auto",
+        max_errors: int = 20,
+        cache_dir=None,
+        bad_lines: str = "error",
     ):
         from .jsonl_index import index_jsonl
 
@@ -72,6 +80,7 @@ class JsonlDataset:
             max_errors=max_errors,
             cache_dir=cache_dir,
             rules=self.line_rules(),
+            bad_lines=bad_lines,
         )
         self._start, self._end, self._line = self.index.starts, self.index.ends, self.index.lines
         self.lengths = self.index.lengths
@@ -90,7 +99,13 @@ class JsonlDataset:
                 f"{self.path}: {len(self)} samples, every line {what} at an earlier start (index loaded from "
                 f"{index.cache_path} in {index.seconds:.2f} s)"
             )
-        return f"{self.path}: {len(self)} samples, every line {what} in {index.seconds:.2f} s"
+        line = f"{self.path}: {len(self)} samples, every line {what} in {index.seconds:.2f} s"
+        if index.skipped:
+            line += (
+                f"; {len(index.skipped)} bad line(s) left out (dataset.bad_lines=skip), the first: "
+                + "; ".join(index.skipped[:3])
+            )
+        return line
 
     def __getstate__(self):  # an open file does not pickle (DataLoader workers): reopen lazily
         return {**self.__dict__, "_file": None}

@@ -34,6 +34,7 @@ the file; a file that has bad lines is not cached (fixing it changes its modific
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,10 +62,11 @@ __all__ = [
 ]
 
 VALIDATE = ("auto", "parse", "tokenize")
+BAD_LINES = ("error", "skip")
 AUTO_TOKENIZE_LINES = 100_000
 AUTO_TOKENIZE_CHAT_LINES = 10_000
 # Bump when the checks or the stored arrays change: it is part of the cache key.
-INDEX_VERSION = "1"
+INDEX_VERSION = "2"
 
 
 @dataclass
@@ -86,6 +88,10 @@ class JsonlIndex:
     seconds: float
     cached: bool
     cache_path: Path | None
+    skipped: list[str] = dataclasses.field(
+        default_factory=list
+    )  # bad_lines="skip": each left-out line's error
+    keep: np.ndarray | None = None  # LineRules.keep: int64 [N], the shortest prefix a truncation may keep
 
     @property
     def tokenized(self) -> bool:
@@ -101,23 +107,30 @@ class LineRules:
         check: ``(record, where) -> kind``: a decoded line's kind, after checking it without tokenizing; raises
             ``ValueError`` naming ``where`` (``file:line``) and the rule.
         length: ``(record, kind, where) -> int``: the sample's token count (the tokenizing pass); raises as
-            ``check`` does.
+            ``check`` does. With ``keep`` set, ``(length, shortest prefix a truncation may keep)``.
         auto_tokenize_lines: ``validate="auto"`` tokenizes files of at most this many lines.
+        keep: for rows a truncation must not cut anywhere (images): ``(record, where) -> int``, at least the
+            shortest prefix a truncation may keep, without tokenizing (the parse pass); None: any cut is fine.
+        files: ``(record, where) -> [Path]``: other files a line reads (images); a cached index is used only while
+            each is as the pass saw it (size and modification time).
     """
 
     name: str
     check: Callable[[Any, str], str]
-    length: Callable[[Any, str, str], int]
+    length: Callable[[Any, str, str], Any]
     auto_tokenize_lines: int
+    keep: Callable[[Any, str], int] | None = None
+    files: Callable[[Any, str], list] | None = None
 
 
 def text_rules(tokenizer) -> LineRules:
     """The rules of :mod:`thdpack.data.jsonl`'s rows (``text``, ``input_ids``, ``prompt``, ``messages``)."""
     vocab_size = tokenizer.vocab_size
     chat = getattr(tokenizer, "has_chat_template", False)
+    roles = getattr(tokenizer, "chat_roles", None)
     return LineRules(
         name="text",
-        check=lambda record, where: check_record(record, vocab_size, where),
+        check=lambda record, where: check_record(record, vocab_size, where, roles),
         length=lambda record, kind, where: len(tokenize_record(record, kind, tokenizer, where)[0]),
         auto_tokenize_lines=AUTO_TOKENIZE_CHAT_LINES if chat else AUTO_TOKENIZE_LINES,
     )
@@ -143,9 +156,11 @@ def index_jsonl(
     max_errors: int = 20,
     cache_dir=None,
     rules: LineRules | None = None,
+    bad_lines: str = "error",
 ) -> JsonlIndex:
     """Check every line of ``path`` (see the module docstring); raise one ``ValueError`` that names every bad
-    line's file:line (the first ``max_errors``) and their count. ``cache_dir``: default
+    line's file:line (the first ``max_errors``) and their count, or with ``bad_lines="skip"`` leave them out of the
+    index (``JsonlIndex.skipped`` holds their errors). ``cache_dir``: default
     :func:`~thdpack.data.cache.cache_root`; False: neither read nor write a cache. ``rules``: what a line is
     (default :func:`text_rules` of ``tokenizer``)."""
     rules = rules or text_rules(tokenizer)
@@ -153,6 +168,8 @@ def index_jsonl(
     path = Path(path)
     if validate not in VALIDATE:
         raise ValueError(f"dataset.validate is '{validate}': it must be one of {list(VALIDATE)}")
+    if bad_lines not in BAD_LINES:
+        raise ValueError(f"dataset.bad_lines is '{bad_lines}': it must be one of {list(BAD_LINES)}")
     if not path.is_file():
         raise ValueError(f"dataset.path '{path}' is not a file")
     stat = path.stat()
@@ -170,27 +187,49 @@ def index_jsonl(
         cache_path = Path(cache_dir or cache_root()) / "jsonl" / f"{path.name}-{digest}.npz"
         cached = _load(cache_path, key)
         if cached is not None:
-            starts, ends, lines, lengths = cached
+            starts, ends, lines, lengths, keep = cached
             if (
                 lengths is not None
                 or validate == "parse"
                 or (validate == "auto" and len(starts) > rules.auto_tokenize_lines)
             ):
-                return JsonlIndex(starts, ends, lines, lengths, time.perf_counter() - start, True, cache_path)
+                elapsed = time.perf_counter() - start
+                return JsonlIndex(starts, ends, lines, lengths, elapsed, True, cache_path, keep=keep)
 
     data = path.read_bytes()
     starts, ends, lines = line_offsets(np.frombuffer(data, dtype=np.uint8))
     tokenize = validate == "tokenize" or (validate == "auto" and len(starts) <= rules.auto_tokenize_lines)
-    lengths = _check_lines(path, data, starts, ends, lines, rules, tokenize, max_errors)
-    if cache_path is not None:
-        _save(cache_path, key, starts, ends, lines, lengths)
-    return JsonlIndex(starts, ends, lines, lengths, time.perf_counter() - start, False, cache_path)
+    lengths, keep, files, bad = _check_lines(
+        path, data, starts, ends, lines, rules, tokenize, max_errors, bad_lines
+    )
+    if bad:  # bad_lines="skip": the index holds the good lines; not cached (the file is to be fixed)
+        good = np.ones(len(starts), bool)
+        good[[i for i, _ in bad]] = False
+        starts, ends, lines = starts[good], ends[good], lines[good]
+        lengths = None if lengths is None else lengths[good]
+        keep = None if keep is None else keep[good]
+        if not len(starts):
+            raise ValueError(
+                f"{path}: every one of its {len(bad)} line(s) is bad: nothing to train on\n  {bad[0][1]}"
+            )
+    elif cache_path is not None:
+        _save(cache_path, key, starts, ends, lines, lengths, keep, files)
+    elapsed = time.perf_counter() - start
+    skipped = [error for _, error in bad]
+    return JsonlIndex(starts, ends, lines, lengths, elapsed, False, cache_path, skipped, keep)
 
 
-def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bool, max_errors: int):
+def _check_lines(
+    path, data, starts, ends, lines, rules: LineRules, tokenize: bool, max_errors: int, bad_lines: str
+):
+    """The lengths (when tokenizing) and, with ``bad_lines="skip"``, the ``(index, error)`` of each bad line;
+    with ``"error"`` a bad line raises (every one counted, the first ``max_errors`` quoted)."""
     lengths = np.zeros(len(starts), np.int64) if tokenize else None
+    keep = np.zeros(len(starts), np.int64) if rules.keep is not None else None
+    files: dict[str, None] = {}
     check, length, loads = rules.check, rules.length, json.loads
     errors: list[str] = []
+    skipped: list[tuple[int, str]] = []
     bad = 0
     for i, (s, e, line) in enumerate(zip(starts.tolist(), ends.tolist(), lines.tolist(), strict=True)):
         where = f"{path}:{line}"
@@ -203,8 +242,19 @@ def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bo
                 ) from None
             kind = check(record, where)
             if tokenize:
-                lengths[i] = length(record, kind, where)
+                measured = length(record, kind, where)
+                if keep is not None:
+                    lengths[i], keep[i] = measured
+                else:
+                    lengths[i] = measured
+            elif keep is not None:
+                keep[i] = rules.keep(record, where)
+            if rules.files is not None:
+                files.update(dict.fromkeys(str(f) for f in rules.files(record, where)))
         except ValueError as err:
+            if bad_lines == "skip":
+                skipped.append((i, str(err)))
+                continue
             bad += 1
             if len(errors) < max_errors:
                 errors.append(str(err))
@@ -212,9 +262,9 @@ def _check_lines(path, data, starts, ends, lines, rules: LineRules, tokenize: bo
         shown = f"the first {len(errors)}" if len(errors) < bad else "all"
         raise ValueError(
             f"{path}: {bad} bad line(s) of {len(starts)} (every line is checked before training; {shown} "
-            "below):\n  " + "\n  ".join(errors)
+            "below; dataset.bad_lines=skip leaves them out):\n  " + "\n  ".join(errors)
         )
-    return lengths
+    return lengths, keep, list(files), skipped
 
 
 def _ends_digest(path: Path, size: int, span: int = 1 << 20) -> str:
@@ -234,13 +284,28 @@ def _load(cache_path: Path, key: dict):
         with np.load(cache_path) as stored:
             if json.loads(str(stored["key"])) != key:
                 return None
+            if _signature(stored["files"].tolist()).tolist() != stored["file_signature"].tolist():
+                return None  # a file a line reads (an image) changed since: check the lines again
             lengths = stored["lengths"] if bool(stored["tokenized"]) else None
-            return stored["starts"], stored["ends"], stored["lines"], lengths
+            keep = stored["keep"] if bool(stored["has_keep"]) else None
+            return stored["starts"], stored["ends"], stored["lines"], lengths, keep
     except (OSError, KeyError, ValueError):  # absent, cut short, or from another layout: build again
         return None
 
 
-def _save(cache_path: Path, key: dict, starts, ends, lines, lengths) -> None:
+def _signature(files: list[str]) -> np.ndarray:
+    """int64 ``[F, 2]``: each file's size and modification time (-1 for one that is gone)."""
+    out = np.full((len(files), 2), -1, np.int64)
+    for i, name in enumerate(files):
+        try:
+            stat = os.stat(name)
+            out[i] = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            pass
+    return out
+
+
+def _save(cache_path: Path, key: dict, starts, ends, lines, lengths, keep=None, files=()) -> None:
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     # Written to a private file and renamed into place: a reader never sees half an index, and ranks that build
     # at once all end with a complete one.
@@ -254,5 +319,9 @@ def _save(cache_path: Path, key: dict, starts, ends, lines, lengths) -> None:
             lines=lines,
             lengths=lengths if lengths is not None else np.zeros(0, np.int64),
             tokenized=np.array(lengths is not None),
+            keep=keep if keep is not None else np.zeros(0, np.int64),
+            has_keep=np.array(keep is not None),
+            files=np.array(list(files), dtype=str),
+            file_signature=_signature(list(files)),
         )
     os.replace(tmp, cache_path)

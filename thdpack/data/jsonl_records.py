@@ -5,21 +5,26 @@ ids' range), :func:`tokenize_record` (tokens and targets, through the tokenizer'
 
 from __future__ import annotations
 
+import difflib
+
 import numpy as np
 
-__all__ = ["KINDS", "check_record", "parse_record", "tokenize_record"]
+__all__ = ["KINDS", "check_messages", "check_record", "check_role", "parse_record", "tokenize_record"]
 
 KINDS = ("text", "input_ids", "prompt", "messages")
 
 
 def parse_record(record, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     """``(tokens int64 [L], target_mask bool [L] or None)`` of one decoded JSON line; ``where`` = ``file:line``."""
-    return tokenize_record(record, check_record(record, tokenizer.vocab_size, where), tokenizer, where)
+    kind = check_record(record, tokenizer.vocab_size, where, getattr(tokenizer, "chat_roles", None))
+    return tokenize_record(record, kind, tokenizer, where)
 
 
-def check_record(record, vocab_size: int, where: str) -> str:
+def check_record(record, vocab_size: int, where: str, roles: frozenset[str] | None = None) -> str:
     """The line's kind (``"text"``, ``"input_ids"``, ``"prompt"``, ``"messages"``) after checking its keys and
-    types (and the ids' range) without tokenizing; raises ``ValueError`` naming ``where`` and the rule."""
+    types (and the ids' range) without tokenizing; raises ``ValueError`` naming ``where`` and the rule. ``roles``:
+    the roles the chat template renders (``PretrainedTokenizer.chat_roles``); a message of another role is refused
+    (without a template, a role that looks like a misspelt common one is)."""
     if not isinstance(record, dict):
         raise ValueError(
             f"{where}: a JSON {type(record).__name__}, not an object: each line must be an object"
@@ -42,7 +47,7 @@ def check_record(record, vocab_size: int, where: str) -> str:
         if not _string(record, "response", where):
             raise ValueError(f"{where}: 'response' is empty: an SFT sample needs at least one target token")
     else:
-        _check_messages(record["messages"], where)
+        check_messages(record["messages"], where, roles)
     return kind
 
 
@@ -83,19 +88,50 @@ def tokenize_record(record: dict, kind: str, tokenizer, where: str) -> tuple[np.
     return _tagged_messages(record["messages"], tokenizer)
 
 
-def _check_messages(messages, where: str) -> None:
+def check_messages(messages, where: str, roles: frozenset[str] | None = None) -> None:
+    """Check a ``messages`` list: objects with a string ``role`` and ``content``, each role one the chat template
+    renders (``roles``; without a template only a misspelt common role is refused), every assistant turn with
+    content, at least one assistant turn."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str}}")
-    assistant = False
     for turn, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"{where}: messages[{turn}] must be an object with a string 'role'")
         _string(message, "content", where, f"messages[{turn}].content")
-        assistant = assistant or message["role"] == "assistant"
-    if not assistant:
+        check_role(message["role"], turn, where, roles)
+        if message["role"] == "assistant" and not message["content"].strip():
+            raise ValueError(
+                f"{where}: messages[{turn}] is an assistant turn with empty content: it would train on its "
+                "end-of-turn token alone"
+            )
+    require_assistant([m["role"] for m in messages], where)
+
+
+COMMON_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_role(role: str, turn: int, where: str, roles: frozenset[str] | None) -> None:
+    """Refuse ``role`` (of ``messages[turn]``) when the chat template does not render it (``roles``), or, without a
+    template, when it is a near miss of a common role."""
+    known = sorted(roles) if roles is not None else COMMON_ROLES
+    if role in known:
+        return
+    close = difflib.get_close_matches(role, known, n=1, cutoff=0.75)
+    if roles is None and not close:
+        return  # thdpack's own tags render any role
+    hint = f": did you mean '{close[0]}'?" if close else ":"
+    whose = "the chat template renders" if roles is not None else "are common"
+    raise ValueError(
+        f"{where}: messages[{turn}] has role '{role}'{hint} The roles {whose} are {', '.join(known)} (a turn of "
+        "another role would be dropped or never trained on)"
+    )
+
+
+def require_assistant(roles: list[str], where: str) -> None:
+    if "assistant" not in roles:
         raise ValueError(
-            f"{where}: no assistant message: a chat sample needs at least one target token (loss is on "
-            "the assistant turns only)"
+            f"{where}: no assistant message (the roles are {', '.join(repr(r) for r in dict.fromkeys(roles))}): "
+            "a chat sample needs at least one target token (loss is on the assistant turns only)"
         )
 
 

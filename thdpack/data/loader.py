@@ -31,7 +31,7 @@ import torch
 
 from .budget import DEFAULT_COST_WEIGHTS, plan_microbatches
 from .collate import PAD_TO, collate
-from .samples import Sample, SampleDataset, known_lengths
+from .samples import Sample, SampleDataset, known_lengths, known_min_lengths
 
 __all__ = [
     "OVERLONG",
@@ -221,14 +221,19 @@ class TrainData:
             "drop": "dropped (the stream refills the batch)",
             "error": "refused (an error)",
         }[self.overlong]
+        uncut = self._check_images_fit(limit)
         lengths = known_lengths(self.dataset)
         if lengths is None:
-            return (
+            return uncut + (
                 f"sample lengths are not known before training: samples longer than {limit} will be {rule} "
                 f"(dataset.overlong={self.overlong}); the step log counts them"
             )
         over = np.flatnonzero(lengths > self.max_length)
-        if over.size and self.overlong == "error":
+        if not over.size:
+            return (
+                f"all {len(lengths)} samples fit {limit}: dataset.overlong={self.overlong} has nothing to do"
+            )
+        if self.overlong == "error":
             sources = ", ".join(f"{self.dataset[int(i)].source} ({lengths[i]} tokens)" for i in over[:5])
             raise ValueError(
                 f"{over.size} of {len(lengths)} samples are longer than {limit}: dataset.overlong=error refuses "
@@ -237,6 +242,44 @@ class TrainData:
         return (
             f"{over.size} of {len(lengths)} samples ({over.size / len(lengths):.1%}) are longer than {limit}: "
             f"dataset.overlong={self.overlong}, they are {rule}"
+        )
+
+    def largest_micro_batch_tokens(self, packed: bool) -> int | None:
+        """The most tokens one micro-batch can hold with this dataset (its lengths known up front; else None). A
+        micro-batch the step packs (``packed``) holds at most its token budget and at most the longest samples (cut
+        to the limit) of one global batch, or of ``micro_batch_size`` samples; a padded one is ``micro_batch_size``
+        rows of ``seq_length`` (``pad_to="longest"``: of the longest sample)."""
+        lengths = known_lengths(self.dataset)
+        if lengths is None or not len(lengths):
+            return None
+        longest = np.sort(np.minimum(lengths, self.max_length))[::-1]
+        if self.micro_batch_tokens is not None:
+            return int(min(self.micro_batch_tokens, longest[: self.global_batch_size].sum()))
+        if packed:
+            return int(longest[: self.micro_batch_size].sum())
+        width = int(longest[0]) if self.pad_to == "longest" else self.seq_length
+        return self.micro_batch_size * width
+
+    def _check_images_fit(self, limit: str) -> str:
+        """Raise for samples whose image tokens run past the limit (known up front, :func:`known_min_lengths`):
+        ``truncate`` would crop an image and ``error`` refuses them; with ``drop``, the words that count them."""
+        keep = known_min_lengths(self.dataset)
+        if keep is None:
+            return ""
+        over = np.flatnonzero(keep > self.max_length)
+        if not over.size:
+            return ""
+        if self.overlong == "drop":
+            return f"{over.size} samples hold more image tokens than {limit} and will be dropped; "
+        sources = ", ".join(f"{self.dataset[int(i)].source} (images to token {keep[i]})" for i in over[:5])
+        rule = {
+            "truncate": "dataset.overlong=truncate would crop an image, which is never done",
+            "error": "dataset.overlong=error refuses them",
+        }[self.overlong]
+        raise ValueError(
+            f"{over.size} of {len(keep)} samples hold image tokens past {limit}: {rule}. Use dataset.overlong=drop, "
+            f"raise dataset.seq_length to at least {int(keep[over].max())}, or shrink the images (max_pixels in "
+            f"the model's preprocessor_config.json); the first: {sources}"
         )
 
     def state_dict(self) -> dict[str, int]:
@@ -267,12 +310,13 @@ def build_dataset(
     synthetic: Mapping | None = None,
     validate: str = "auto",
     vlm: Mapping | None = None,
+    bad_lines: str = "error",
 ) -> SampleDataset:
     """The dataset ``name`` (``embedded``, ``embedded_sft``, ``jsonl``, ``megatron_indexed``, ``synthetic``, or the
     image chat datasets ``embedded_vlm`` and ``jsonl_vlm``); ``path`` is the JSONL file or the indexed prefix
     (unused by the embedded ones; ``max_files`` is their subset option); ``synthetic``: the keyword arguments of
     :class:`~thdpack.data.synthetic.SyntheticDataset` but the vocabulary; ``validate``: the JSONL start-up pass
-    (:mod:`thdpack.data.jsonl_index`; ``jsonl`` and ``jsonl_vlm``); ``vlm``: the keyword arguments of
+    (:mod:`thdpack.data.jsonl_index`; ``jsonl`` and ``jsonl_vlm``, and ``bad_lines``: ``error`` or ``skip``); ``vlm``: the keyword arguments of
     :class:`~thdpack.data.embedded_vlm.EmbeddedVLDataset` but the processor. The image chat datasets take the
     checkpoint's processor (:class:`thdpack.hf.processor.VLProcessor`) as ``tokenizer``."""
     if name == "embedded":
@@ -284,7 +328,7 @@ def build_dataset(
 
         return EmbeddedSFTDataset(tokenizer, max_files=max_files)
     if name in VISION_DATASETS:
-        return _vision_dataset(name, path, tokenizer, vlm or {}, validate)
+        return _vision_dataset(name, path, tokenizer, vlm or {}, validate, bad_lines)
     if name == "synthetic":
         from .synthetic import SyntheticDataset
 
@@ -300,13 +344,15 @@ def build_dataset(
     if name == "jsonl":
         from .jsonl import JsonlDataset
 
-        return JsonlDataset(path, tokenizer, validate=validate)
+        return JsonlDataset(path, tokenizer, validate=validate, bad_lines=bad_lines)
     from .indexed import MegatronIndexedDataset
 
     return MegatronIndexedDataset(path, tokenizer.vocab_size)
 
 
-def _vision_dataset(name: str, path: str | None, processor, options: Mapping, validate: str) -> SampleDataset:
+def _vision_dataset(
+    name: str, path: str | None, processor, options: Mapping, validate: str, bad_lines: str
+) -> SampleDataset:
     if not hasattr(processor, "encode_chat"):
         raise ValueError(
             f"dataset.name={name} needs a vision-language checkpoint's processor: set model.pretrained to a "
@@ -320,7 +366,7 @@ def _vision_dataset(name: str, path: str | None, processor, options: Mapping, va
         raise ValueError("dataset.path is required for dataset.name=jsonl_vlm")
     from .vlm import VisionJsonlDataset
 
-    return VisionJsonlDataset(path, processor, validate=validate)
+    return VisionJsonlDataset(path, processor, validate=validate, bad_lines=bad_lines)
 
 
 _MISSING = object()
@@ -383,6 +429,7 @@ def build_train_data(
             synthetic=get("synthetic", None),
             validate=get("validate", "auto"),
             vlm=get("vlm", None),
+            bad_lines=get("bad_lines", "error"),
         )
     data = TrainData(
         dataset,

@@ -9,7 +9,14 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Sample", "SampleDataset", "format_length_stats", "known_lengths", "length_stats"]
+__all__ = [
+    "Sample",
+    "SampleDataset",
+    "format_length_stats",
+    "known_lengths",
+    "known_min_lengths",
+    "length_stats",
+]
 
 
 @dataclass
@@ -118,6 +125,16 @@ def known_lengths(dataset: SampleDataset) -> np.ndarray | None:
         return None if inner is None else inner[dataset.start : dataset.stop]
     lengths = getattr(dataset, "lengths", None)
     return None if lengths is None else np.asarray(lengths, dtype=np.int64)
+
+
+def known_min_lengths(dataset: SampleDataset) -> np.ndarray | None:
+    """int64 ``[N]``: per sample, the shortest prefix a truncation may keep (through its last image token), when
+    the dataset knows it without reading its samples (a ``min_lengths`` attribute, through :class:`Subset`)."""
+    if isinstance(dataset, Subset):
+        inner = known_min_lengths(dataset.dataset)
+        return None if inner is None else inner[dataset.start : dataset.stop]
+    keep = getattr(dataset, "min_lengths", None)
+    return None if keep is None else np.asarray(keep, dtype=np.int64)
 
 
 def split_holdout(dataset: SampleDataset, holdout: int) -> tuple[SampleDataset, SampleDataset]:

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .jsonl import JsonlDataset
 from .jsonl_index import LineRules
+from .jsonl_records import check_role, require_assistant
 from .samples import Sample
 
-__all__ = ["AUTO_TOKENIZE_LINES", "VisionJsonlDataset", "encoded_sample", "load_image"]
+__all__ = ["AUTO_TOKENIZE_LINES", "VisionJsonlDataset", "encoded_sample", "load_image", "shortest_cut"]
 
 # validate="auto" reads every image and runs the processor at start-up for files of at most this many lines.
 # Measured (python benchmarks/jsonl_vlm_validation.py, the tests' processor, on this repository's shared 2-core CPU
@@ -49,6 +52,13 @@ def encoded_sample(encoded, where: str) -> Sample:
     )
 
 
+def shortest_cut(sample: Sample) -> int:
+    """The shortest prefix of ``sample`` a truncation may keep: through its last image token (0 without)."""
+    types = sample.mm_token_type_ids
+    image = np.flatnonzero(types) if types is not None else np.zeros(0, np.int64)
+    return int(image[-1]) + 1 if image.size else 0
+
+
 def load_image(path: Path, where: str):
     """The RGB PIL image at ``path``, read now (a missing or unreadable file raises naming it and ``where``)."""
     from PIL import Image, UnidentifiedImageError
@@ -60,6 +70,13 @@ def load_image(path: Path, where: str):
         raise ValueError(f"{where}: image '{path}' does not exist") from None
     except (UnidentifiedImageError, OSError) as e:
         raise ValueError(f"{where}: image '{path}' cannot be read as an image ({e})") from None
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
 class VisionJsonlDataset(JsonlDataset):
@@ -77,22 +94,65 @@ class VisionJsonlDataset(JsonlDataset):
     Args:
         path: the file; relative image paths are resolved against its folder.
         processor: the checkpoint's :class:`~thdpack.hf.processor.VLProcessor`.
-        validate, max_errors, cache_dir: as :class:`~thdpack.data.jsonl.JsonlDataset`'s.
+        validate, max_errors, cache_dir, bad_lines: as :class:`~thdpack.data.jsonl.JsonlDataset`'s.
     """
 
     def __init__(
-        self, path: str | Path, processor, *, validate: str = "auto", max_errors: int = 20, cache_dir=None
+        self,
+        path: str | Path,
+        processor,
+        *,
+        validate: str = "auto",
+        max_errors: int = 20,
+        cache_dir=None,
+        bad_lines: str = "error",
     ):
         self.processor = processor
-        super().__init__(path, processor, validate=validate, max_errors=max_errors, cache_dir=cache_dir)
+        super().__init__(
+            path,
+            processor,
+            validate=validate,
+            max_errors=max_errors,
+            cache_dir=cache_dir,
+            bad_lines=bad_lines,
+        )
 
     def line_rules(self) -> LineRules:
+        def measure(record, kind, where):
+            sample = self.sample(record, where)
+            return len(sample), shortest_cut(sample)
+
         return LineRules(
             name="image_chat",
             check=self.check,
-            length=lambda record, kind, where: len(self.sample(record, where)),
+            length=measure,
             auto_tokenize_lines=AUTO_TOKENIZE_LINES,
+            keep=self.image_tokens,
+            files=lambda record, where: [path for _, path in self.structure(record, where)[1]],
         )
+
+    @property
+    def min_lengths(self):
+        """int64 ``[N]``: per sample, the shortest prefix a truncation may keep (its image tokens whole): exact
+        after the tokenizing pass, a lower bound (the image tokens alone) after the parse pass."""
+        return self.index.keep
+
+    def image_tokens(self, record, where: str) -> int:
+        """The image tokens of a row from its images' sizes (each file's header read, not its pixels): what the
+        parse pass knows of a sample's length. An unreadable header raises naming the image."""
+        from PIL import Image, UnidentifiedImageError
+
+        total = 0
+        for name, path in self.structure(record, where)[1]:
+            try:
+                with Image.open(path) as image:
+                    width, height = image.size
+            except (UnidentifiedImageError, OSError) as e:
+                raise ValueError(
+                    f"{where}: {name}: image '{path}' cannot be read as an image ({e})"
+                ) from None
+            total += self.processor.image_tokens_of_size(height, width) or 0
+        return total
 
     def check(self, record, where: str) -> str:
         """The row's kind (``"messages"``) after checking its structure and that its image files exist (not read:
@@ -125,10 +185,17 @@ class VisionJsonlDataset(JsonlDataset):
                 f"{where}: each line must be an object with a non-empty 'messages' list (image chat rows)"
             )
         messages, paths = [], []
+        roles = getattr(self.processor, "chat_roles", None)
         for turn, message in enumerate(record["messages"]):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"{where}: messages[{turn}] must be an object with a string 'role'")
+            check_role(message["role"], turn, where, roles)
             content = message.get("content")
+            if message["role"] == "assistant" and not _text_of(content).strip():
+                raise ValueError(
+                    f"{where}: messages[{turn}] is an assistant turn with no text: it would train on its "
+                    "end-of-turn token alone"
+                )
             if isinstance(content, str):
                 messages.append({"role": message["role"], "content": content})
                 continue
@@ -152,8 +219,7 @@ class VisionJsonlDataset(JsonlDataset):
                         f"'path': str}}, got {part!r:.80}"
                     )
             messages.append({"role": message["role"], "content": parts})
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError(f"{where}: no assistant message: the loss is on the assistant turns only")
+        require_assistant([m["role"] for m in messages], where)
         return messages, paths
 
     def _image_path(self, part: dict, where: str, name: str) -> Path:

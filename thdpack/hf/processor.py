@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import HFCheckpoint, HFConfigError
+from .tokenizer import check_rendered, template_roles
 from .vl_checkpoint import VLFacts, has_vision, rope_index, vl_facts
 
 __all__ = ["EncodedChat", "VLProcessor", "dataset_processor", "load_image_processor", "processor_for"]
@@ -59,7 +60,9 @@ def load_image_processor(directory: str | Path):
     before: ``use_fast=False``)."""
     import importlib.util
 
-    from transformers import AutoImageProcessor
+    # The module's class, not the top-level name: transformers 5.17 exports a stand-in there that asks for
+    # torchvision (5.18 and later export the class itself).
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     if importlib.util.find_spec("transformers.image_processing_backends") is not None:
         return AutoImageProcessor.from_pretrained(str(directory), local_files_only=True, backend="pil")
@@ -89,6 +92,7 @@ class VLProcessor:
             )
         if not self.tokenizer.chat_template:
             raise ValueError(f"{self.directory}: the tokenizer has no chat template (chat_template.jinja)")
+        self.chat_roles = template_roles(self.render, self.tokenizer.chat_template)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.facts.image_token_id)
         vocab = len(self.tokenizer)
         self.vocab_size = vocab
@@ -99,6 +103,14 @@ class VLProcessor:
         self.pad_id = int(pad) if pad is not None else self.eos_id
         bos = self.tokenizer.bos_token_id
         self.bos_id = int(bos) if bos is not None else self.pad_id
+
+    def image_tokens_of_size(self, height: int, width: int) -> int | None:
+        """The image tokens of an image of ``height`` x ``width`` pixels, by the image processor's resize rule
+        (its ``get_number_of_image_patches``; None where it has none)."""
+        patches = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if patches is None:
+            return None
+        return int(patches(height, width, {})) // self.merge_size**2
 
     # -- the tokenizer interface of thdpack.data -------------------------------------------------------
     def encode(self, text: str) -> np.ndarray:
@@ -128,6 +140,7 @@ class VLProcessor:
             whose image placeholders are not one per image, an image-token count that does not match the grids.
         """
         text = self.render(messages)
+        check_rendered(messages, text, where, self.directory)
         spans = self._assistant_spans(messages, text, where)
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):

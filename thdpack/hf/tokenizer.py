@@ -35,12 +35,14 @@ clock (Llama 3.2's ``strftime_now`` date line) render a different prompt each da
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PretrainedTokenizer", "resolve_tokenizer"]
+__all__ = ["ROLE_CANDIDATES", "PretrainedTokenizer", "check_rendered", "resolve_tokenizer", "template_roles"]
 
 # Files that define a tokenizer's vocabulary and template: their bytes make the cache key (``name``).
 _TOKENIZER_FILES = (
@@ -108,6 +110,9 @@ class PretrainedTokenizer:
         self.name = "hf-" + key.hexdigest()[:16]
         self.has_chat_template = bool(self.hf.chat_template)
         self.end_of_turn = self._find_end_of_turn() if self.has_chat_template else None
+        self.chat_roles = (
+            template_roles(self._render, self.hf.chat_template) if self.has_chat_template else None
+        )
 
     def __repr__(self) -> str:
         return f"PretrainedTokenizer('{self.directory}', vocab_size={self.vocab_size})"
@@ -163,6 +168,7 @@ class PretrainedTokenizer:
         if not self.has_chat_template:
             raise ValueError(f"{where}: the tokenizer of '{self.directory}' has no chat template")
         full = self._render_checked(messages, False, where, "the conversation")
+        check_rendered(messages, full, where, self.directory)
         pieces: list[tuple[str, bool]] = []
         position = 0
         for k, message in enumerate(messages):
@@ -215,6 +221,60 @@ class PretrainedTokenizer:
             Exception
         ) as e:  # a template raises whatever its authors chose (TemplateError, ValueError, ...)
             raise ValueError(f"{where}: the chat template cannot render {what}: {e}") from None
+
+
+# Roles tried on every chat template at load, besides those its source compares message roles with.
+ROLE_CANDIDATES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
+_ROLE_LITERAL = re.compile(r"""role['"]?\]?\s*==\s*['"]([A-Za-z_]+)['"]""")
+
+
+def template_roles(render: Callable[[list[dict], bool], str], source: str | None) -> frozenset[str]:
+    """The roles whose content a chat template renders: :data:`ROLE_CANDIDATES` and the roles its ``source``
+    compares a message's role with, each tried alone, after a user turn, after a user/assistant pair and before a
+    user turn (templates that insist on an order raise on the others). ``render(messages, generation_prompt)``."""
+    probe = "thdpack role probe 7f3a"  # plain text: a template may escape it (tojson) but keeps it
+    names = dict.fromkeys([*ROLE_CANDIDATES, *_ROLE_LITERAL.findall(source or "")])
+    known = set()
+    for role in names:
+        turn = {"role": role, "content": probe}
+        for messages in (
+            [turn],
+            [{"role": "user", "content": "hi"}, turn],
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, turn],
+            [turn, {"role": "user", "content": "hi"}],
+        ):
+            try:
+                if probe in render(messages, False):
+                    known.add(role)
+                    break
+            except Exception:  # a template raises whatever its authors chose for an order it refuses
+                continue
+    return frozenset(known)
+
+
+def check_rendered(messages: Sequence[Mapping], text: str, where: str, directory) -> None:
+    """Raise ``ValueError`` naming ``where`` and the turn when the chat template's ``text`` of ``messages`` leaves out
+    a turn: the last line of each turn's text content must appear in it, turn after turn (a template that drops a
+    role it does not know would otherwise train on a conversation without that turn)."""
+    position = 0
+    for k, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, str):
+            content = "\n".join(p.get("text", "") for p in content or [] if isinstance(p, Mapping))
+        lines = [line.strip() for line in content.splitlines() if line.strip()]
+        if not lines:
+            continue
+        last = lines[-1]
+        found = text.find(last, position)
+        if found < 0:  # a template may render a turn as JSON (Llama 3's tool turns: tojson)
+            last = json.dumps(last)[1:-1]
+            found = text.find(last, position)
+        if found < 0:
+            raise ValueError(
+                f"{where}: messages[{k}] (role '{message.get('role')}') is not in the text the chat template of "
+                f"'{directory}' renders: the template drops this turn"
+            )
+        position = found + len(last)
 
 
 def resolve_tokenizer(

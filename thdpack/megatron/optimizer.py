@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_optimizer", "finalize_grads_per_token"]
+__all__ = ["build_optimizer", "finalize_grads_per_token", "warmup_from_first_step"]
 
 
 def build_optimizer(trainer: Mapping, model, config):
@@ -37,12 +37,13 @@ def build_optimizer(trainer: Mapping, model, config):
         [model],
     )
     decay_iters = trainer.get("lr_decay_iters") or trainer["train_iters"]
+    init_lr, warmup_steps = warmup_from_first_step(float(trainer["lr"]), int(trainer["lr_warmup_iters"]))
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=init_lr,
         max_lr=float(trainer["lr"]),
         min_lr=float(trainer["min_lr"]),
-        lr_warmup_steps=int(trainer["lr_warmup_iters"]),
+        lr_warmup_steps=warmup_steps,
         lr_decay_steps=int(decay_iters),
         lr_decay_style=trainer["lr_decay_style"],
         start_wd=float(trainer["weight_decay"]),
@@ -56,6 +57,16 @@ def build_optimizer(trainer: Mapping, model, config):
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_grads_per_token
     return optimizer, scheduler
+
+
+def warmup_from_first_step(lr: float, warmup_iters: int) -> tuple[float, int]:
+    """``(init_lr, lr_warmup_steps)`` for ``OptimizerParamScheduler`` so that iteration ``k`` of a warmup of
+    ``warmup_iters`` updates with ``lr * k / warmup_iters``: the first update is not zero and iteration
+    ``warmup_iters`` is the first at ``lr``. Megatron's own warmup (``init_lr=0``, ``lr_warmup_steps=warmup_iters``)
+    gives iteration 1 the rate ``init_lr`` (the scheduler is at step 0 then): its update does nothing."""
+    if warmup_iters <= 1:
+        return lr, 0
+    return lr / warmup_iters, warmup_iters - 1
 
 
 def finalize_grads_per_token(model, num_tokens=None, **kwargs) -> None:

@@ -22,7 +22,6 @@ unexpected keys.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from thdpack.hf.directory import DEFAULT_SHARD_BYTES, resolve_checkpoint, write_
 
 from .registry import family_of
 
-__all__ = ["export_checkpoint", "load_checkpoint_model", "main"]
+__all__ = ["export_checkpoint", "load_checkpoint_model", "main", "start_one_process_group"]
 
 
 def export_checkpoint(
@@ -72,8 +71,7 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     tensors = family.export(Path(iteration_dir), kept)
     config, tied, model = run_config(hf_dir)
     if not dist.is_initialized():
-        store = Path(tempfile.mkdtemp(prefix="thdpack_export_")) / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        start_one_process_group()
     if not ps.model_parallel_is_initialized():
         initialize_model_parallel_cpu()
     gpt = build_gpt_model(
@@ -91,6 +89,14 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     set_rotary_frequencies(gpt, model["rotary_base"], model.get("rope_scaling"))
     never_predict_padding(gpt, vocab)
     return gpt
+
+
+def start_one_process_group() -> None:
+    """A one-process gloo group whose store lives in memory: nothing left on disk (a file store's directory
+    outlived every export)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from .adopt_rows import rows_as_one
 from .assemble import assemble
 from .labels import IGNORE_INDEX
 from .layout import INT32_MAX, PackLayout
@@ -66,6 +67,9 @@ def from_packed_batch(
                   padded array the trailing fill is a slot of ``cu_seqlens_q``, all pad in ``padding_mask``;
                   without ``padding_mask`` (collated before Bridge added it, or dropped on the way),
                   ``token_count`` (the row's tokens before the fill) tells the fill slot apart.
+                  Over a global batch (``B`` rows, ``cu_seqlens_q`` ``[B, K]``, each row filled by repeating
+                  its last boundary) the rows are adopted side by side (:mod:`thdpack.packing.adopt_rows`): a
+                  row's fill joins its last sample as pad, marked in ``padding_mask``.
     Bridge,       ``src/megatron/bridge/data/packing/in_batch.py`` (``build_mcore_thd_sequence_batch_from_rows``,
     in-batch      used by ``data/collators/sft.py``): 1-D ``cu_seqlens_q`` / ``_kv``, ``cu_seqlens_q_padded`` /
                   ``_kv_padded`` only when some sample is padded, 0-d ``max_seqlen_q`` / ``_kv``,
@@ -118,11 +122,19 @@ def from_packed_batch(
             f"from_packed_batch takes a mapping of tensors (a dict), got a {type(batch).__name__}"
         )
     check_fill_values(pad_token_id, ignore_index)
+    rows = batch.get("tokens", batch.get("input_ids"))
+    if (
+        isinstance(rows, torch.Tensor)
+        and rows.dim() == 2
+        and rows.shape[0] > 1
+        and batch.get("cu_seqlens_q") is not None
+        and batch.get("cu_seqlens_q_padded") is None
+    ):  # Bridge's offline form over a global batch: its rows side by side (thdpack.packing.adopt_rows)
+        batch = rows_as_one(batch)
     fields = {k: v for k, v in batch.items() if v is not None}
     tokens, tokens_key = _pop_tokens(fields)
     T = tokens.shape[1]
     on_host = tokens.is_cpu
-    legacy = "cu_seqlens" in fields
     physical, logical, max_seqlen = _pop_boundaries(fields, T)
     padding_mask = _pop_padding_mask(fields, tokens, tokens_key)
     token_count = _pop_metadata(fields, T)
@@ -167,13 +179,10 @@ def from_packed_batch(
         # with pad_seq_to_mult = 1) both write token_count = len(input_ids) per row and append the fill
         # [token_count, max_length) as one more slot of cu_seqlens / cu_seqlens_q; the offline form's padding_mask,
         # when the batch still carries it, is True exactly on [token_count, max_length).
-        key = "cu_seqlens" if legacy else "cu_seqlens_q"
-        if token_count not in physical:
-            raise ValueError(
-                f"batch key 'token_count' is {token_count}, not a boundary of {key}: the tokens before the row's "
-                "fill end at a slot's end"
-            )
-        lengths = np.where(physical[:-1] < token_count, slots, 0)
+        # The fill may also be the tail of the last declared sequence: that slot's real tokens end at token_count.
+        if not 0 < token_count <= T:
+            raise ValueError(f"batch key 'token_count' is {token_count}: the row's real tokens, in (0, {T}]")
+        lengths = np.clip(token_count - physical[:-1], 0, slots)
     else:
         lengths = slots  # every slot a sample (the form says no more)
 

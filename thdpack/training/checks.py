@@ -21,7 +21,26 @@ from .memory import check_memory
 from .recipe_keys import recipes_dir
 from .recipe_values import check_values
 
-__all__ = ["ConfigError", "check_recipe"]
+__all__ = ["ConfigError", "check_recipe", "layouts_that_fit"]
+
+
+def layouts_that_fit(
+    heads: int, groups: int, layers: int, tp: int, pp: int, cp: int, world_size: int, packed: bool
+) -> str:
+    """What to ask for instead of a TP size that does not divide the heads: the TP sizes that do (and divide the
+    world size with PP and CP), and the other ways to use the ``tp`` ranks TP would have taken."""
+    fits = [
+        t
+        for t in range(2, groups + 1)
+        if heads % t == 0 and groups % t == 0 and world_size % (t * pp * cp) == 0
+    ]
+    ways = [f"parallel.tensor_model_parallel_size={t}" for t in fits]
+    ways.append(f"tensor_model_parallel_size=1 ({world_size // (pp * cp)} data-parallel rank(s))")
+    if layers % (pp * tp) == 0:
+        ways.append(f"pipeline_model_parallel_size={pp * tp} (with tensor_model_parallel_size=1)")
+    if packed:
+        ways.append(f"context_parallel_size={cp * tp} (with tensor_model_parallel_size=1)")
+    return "layouts that fit: " + ", or ".join(ways)
 
 
 def check_recipe(
@@ -31,6 +50,7 @@ def check_recipe(
     device: str,
     recipes: Path | None = None,
     available_memory: int | None = None,
+    memory: bool = True,
 ) -> list[str]:
     """Raise :class:`ConfigError` for a resolved recipe (:func:`thdpack.training.recipe.resolve_recipe`, which
     refuses unknown keys) that cannot run on ``world_size`` processes on ``device``; return warnings (settings
@@ -38,7 +58,8 @@ def check_recipe(
 
     In order: every value is one megatron-core, torch and the loader accept (:mod:`thdpack.training.recipe_values`),
     the layout fits the model and the world size, and the model's estimated memory fits the device
-    (``available_memory`` bytes for this host's processes, default measured: :func:`thdpack.training.memory.check_memory`).
+    (``available_memory`` bytes for this host's processes, default measured: :func:`thdpack.training.memory.check_memory`;
+    ``memory=False`` leaves it to the caller, sized by the data).
     """
     model, dataset, parallel = cfg["model"], cfg["dataset"], cfg["parallel"]
     backend = model["attention_backend"]
@@ -73,7 +94,8 @@ def check_recipe(
     if heads % tp or groups % tp:
         raise ConfigError(
             f"parallel.tensor_model_parallel_size={tp} must divide model.config.num_attention_heads ({heads}) and "
-            f"num_query_groups ({groups})"
+            f"num_query_groups ({groups}); "
+            + layouts_that_fit(heads, groups, int(config["num_layers"]), tp, pp, cp, world_size, packed)
         )
     experts = config.get("num_moe_experts")
     if ep > 1 and not experts:
@@ -185,5 +207,6 @@ def check_recipe(
             "Engine); the unfused THD RoPE reads boundaries back from the GPU twice per layer"
         )
 
-    check_memory(cfg, world_size=world_size, device=device, backend=backend, available=available_memory)
+    if memory:  # else the caller checks it once the data's micro-batches are known
+        check_memory(cfg, world_size=world_size, device=device, backend=backend, available=available_memory)
     return warnings

@@ -30,13 +30,16 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_recipe
-from .config_error import ConfigError
+from .config_error import ConfigError, exit_with
 from .deferred import DeferredScalars
 from .flops import FlopsModel
+from .memory import check_memory
 from .metrics import MetricsWriter, memory_summary, summarize
+from .overrides import check_overrides
 from .profiling import profile
 from .recipe import resolve_recipe
 from .recipe_keys import recipes_dir
+from .resume import continue_metrics, nothing_to_train, schedule_changes
 from .stopping import MARKER, EarlyStop
 
 if TYPE_CHECKING:
@@ -92,16 +95,24 @@ def _process_start_time(pid: int) -> float | None:
 OmegaConf.register_new_resolver("thdpack_run_stamp", lambda: run_stamp(), use_cache=True, replace=True)
 
 
+def main() -> None:
+    """Train; a recipe that cannot run prints its message (naming the key) and exits with code 2, no traceback.
+    The command line's overrides are checked before Hydra composes them (:mod:`thdpack.training.overrides`)."""
+    try:
+        check_overrides(sys.argv[1:], recipes_dir())
+    except ConfigError as error:
+        exit_with(error)
+    _hydra_main()
+
+
 @hydra.main(config_path=str(recipes_dir()), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Train; a recipe that cannot run prints its message (naming the key) and exits with code 2, no traceback."""
+def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
         train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as error:
-        print(f"thdpack: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with(error)
 
 
 @dataclass
@@ -151,7 +162,8 @@ def setup_run(cfg: DictConfig) -> Run:
     runtime = resolve_runtime(
         trainer.precision, cfg.model.attention_backend, fp8_recipe=trainer.get("fp8_recipe")
     )
-    for warning in check_recipe(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)), device=runtime.device):
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    for warning in check_recipe(cfg, world_size=world_size, device=runtime.device, memory=False):
         log.warning(warning)
     family = get_family(cfg.model.family)
     init_distributed(
@@ -173,11 +185,20 @@ def setup_run(cfg: DictConfig) -> Run:
     # Data: every data-parallel rank reads the same stream and keeps its share of each global batch.
     try:  # the data's checks name the file, the line and the rule
         tokenizer, dataset, held_out, data_kwargs, data = _build_data(cfg, ps)
-    except ValueError as error:
+        report = startup_report(data)  # raises for dataset.overlong=error with overlong samples known now
+    except (ValueError, ImportError) as error:  # ImportError: a package the data needs, named with its extra
         raise ConfigError(str(error)) from None
+    # sized by the micro-batches this data fills, not only by what the recipe allows
+    check_memory(
+        cfg,
+        world_size=world_size,
+        device=runtime.device,
+        backend=runtime.backend,
+        data_tokens=data.largest_micro_batch_tokens(packed),
+    )
     budget = data_cfg.micro_batch_tokens
     log.info("data: %s, %d samples for training, %d held out", data_cfg.name, len(dataset), len(held_out))
-    for line in startup_report(data):
+    for line in report:
         log.info("data: %s", line)
 
     config = transformer_config(cfg.model, parallel, runtime)
@@ -274,6 +295,7 @@ def _build_data(cfg: DictConfig, ps):
         synthetic=data_cfg.get("synthetic"),
         validate=data_cfg.get("validate", "auto"),
         vlm=data_cfg.get("vlm"),
+        bad_lines=data_cfg.get("bad_lines", "error"),
     )
     dataset, held_out = split_holdout(
         dataset, int(trainer.eval_samples) if trainer.get("eval_interval") else 0
@@ -355,6 +377,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     optimizer_format = check_optimizer_format(cfg.checkpoint.get("optimizer_format", "fully_reshardable"))
     stop = EarlyStop(cfg.trainer.get("exit_duration_mins"))  # from the start: a signal during set-up counts
+    _setup_logging()
+    if os.environ.get("RANK", "0") == "0":
+        log.info("run directory: %s", run_dir.resolve())
     run = setup_run(cfg)
     cfg = run.cfg
     trainer, data = cfg.trainer, run.data
@@ -368,12 +393,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     iteration = 0
     resume_from = latest_iteration(ckpt_dir)
     if resume_from is not None:
+        schedule = run.scheduler.state_dict()  # the recipe's, before the checkpoint's replaces it
         state = load_checkpoint(
             ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler, seed=int(trainer.seed)
         )
         data.load_state_dict(state["data"])
         iteration = int(state["iteration"])
         log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
+        changed = schedule_changes(schedule, run.scheduler.state_dict(), iteration, int(trainer.train_iters))
+        if changed:
+            log.warning(changed)
+    started_at = iteration
+    if run.logging_rank:
+        earlier = continue_metrics(ckpt_dir, run_dir, iteration)
+        if earlier is not None:
+            log.info("steps 1-%d were logged in %s: metrics.jsonl continues them", iteration, earlier)
+    done = nothing_to_train(ckpt_dir, iteration, int(trainer.train_iters))
+    if done:
+        log.warning(done)
 
     def save(at: int) -> None:
         if ckpt_dir is not None:
@@ -410,6 +447,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     while iteration < train_iters:
         step_start = time.perf_counter()
         batches = data.next_step()
+        # the rate this step's update applies (the schedule moves after the update)
+        lr = run.optimizer.param_groups[0]["lr"]
         profiled = profile_step is not None and iteration + 1 == int(profile_step)
         with profile(enabled=profiled, device=run.runtime.device) as prof:
             losses, outcome = train_step(run, batches)
@@ -421,7 +460,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if log_now or profiled:
             # what the host knows now (the step's data, its time, the schedule); the device values join later
             record = _step_record(iteration, time.perf_counter() - step_start, run)
-            record["lr"] = run.optimizer.param_groups[0]["lr"]
+            record["lr"] = lr
             if profiled:
                 record |= prof.summary(run_dir if run.logging_rank else None)
             if eval_interval and iteration % int(eval_interval) == 0:
@@ -449,7 +488,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             break
     else:
         settle(scalars.drain())
-        if ckpt_dir is not None and not (save_interval and iteration % int(save_interval) == 0):
+        trained = iteration > started_at  # a complete run resumed again saves nothing new
+        if ckpt_dir is not None and trained and not (save_interval and iteration % int(save_interval) == 0):
             save(iteration)
     summary = {
         "iterations": iteration,
@@ -483,6 +523,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             data.dropped,
             cfg.dataset.get("overlong", "truncate"),
         )
+        log.info("run directory: %s", run_dir.resolve())
     stop.close()
     _shutdown()
     return summary

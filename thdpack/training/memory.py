@@ -124,14 +124,18 @@ class MemoryEstimate:
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.process
 
-    def describe(self) -> str:
+    def describe(self, tokens_from: str = "") -> str:
+        """The figures in words; ``tokens_from`` says what sets the micro-batch's tokens."""
+
         def g(x: float) -> str:
             return f"{x / GIB:.1f}"
 
         return (
             f"{g(self.total)} GiB: weights {g(self.weights)}, gradients {g(self.gradients)}, optimizer states "
             f"{g(self.optimizer)} ({self.parameters / 1e9:.2f}B parameters on this process), activations about "
-            f"{g(self.activations)} and logits {g(self.logits)} for {self.tokens}-token micro-batches, the process "
+            f"{g(self.activations)} and logits {g(self.logits)} for {self.tokens}-token micro-batches"
+            + (f" ({tokens_from})" if tokens_from else "")
+            + ", the process "
             f"{g(self.process)}"
         )
 
@@ -142,9 +146,12 @@ def precision_of(trainer: Mapping, device: str) -> str:
     return ("bf16" if device == "cuda" else "fp32") if precision == "auto" else str(precision)
 
 
-def estimate_memory(cfg: Mapping, *, world_size: int, device: str, backend: str) -> MemoryEstimate:
+def estimate_memory(
+    cfg: Mapping, *, world_size: int, device: str, backend: str, data_tokens: int | None = None
+) -> MemoryEstimate:
     """The estimate for one of ``world_size`` processes on ``device`` with the attention ``backend`` (``te`` or
-    ``torch``; see the module's docstring)."""
+    ``torch``; see the module's docstring). ``data_tokens``: the most tokens a micro-batch of the run's data holds
+    (:meth:`thdpack.data.loader.TrainData.largest_micro_batch_tokens`), when below what the recipe allows."""
     model, dataset, parallel = cfg["model"], cfg["dataset"], cfg["parallel"]
     c = model.get("config") or {}
     tp, pp = int(parallel["tensor_model_parallel_size"]), int(parallel["pipeline_model_parallel_size"])
@@ -171,6 +178,8 @@ def estimate_memory(cfg: Mapping, *, world_size: int, device: str, backend: str)
     optimizer = state_bytes * (dense / dp + experts / expert_dp)
 
     tokens = _micro_batch_tokens(dataset)
+    if data_tokens is not None:
+        tokens = min(tokens, data_tokens)
     h = int(c["hidden_size"])
     heads = int(c["num_attention_heads"])
     groups = int(c.get("num_query_groups") or heads)
@@ -234,16 +243,25 @@ def available_memory(device: str) -> tuple[int, int, str]:
 
 
 def check_memory(
-    cfg: Mapping, *, world_size: int, device: str, backend: str, available: int | None = None
+    cfg: Mapping,
+    *,
+    world_size: int,
+    device: str,
+    backend: str,
+    available: int | None = None,
+    data_tokens: int | None = None,
 ) -> None:
     """Raise :class:`ConfigError` when the estimate (:func:`estimate_memory`) of this host's processes passes the
-    memory available to them by more than :data:`MARGIN`; ``available`` (bytes) replaces the measured figure.
+    memory available to them by more than :data:`MARGIN`; ``available`` (bytes) replaces the measured figure;
+    ``data_tokens``: the largest micro-batch the data fills (sizes the activations when below the recipe's).
     ``trainer.memory_check=false`` skips the check."""
     if not cfg["trainer"].get("memory_check", True):
         return
     if not SHAPE_KEYS.issubset(cfg["model"].get("config") or {}):
         return  # the shape comes from elsewhere (a checkpoint's config): nothing to estimate from yet
-    estimate = estimate_memory(cfg, world_size=world_size, device=device, backend=backend)
+    estimate = estimate_memory(
+        cfg, world_size=world_size, device=device, backend=backend, data_tokens=data_tokens
+    )
     if available is None:
         available, processes, where = available_memory(device)
     else:
@@ -254,12 +272,22 @@ def check_memory(
     model = cfg["model"].get("name", "the model")
     per = f" for {processes} processes" if processes > 1 else ""
     raise ConfigError(
-        f"model={model} needs about {estimate.describe()}"
+        f"model={model} needs about {estimate.describe(_tokens_source(cfg['dataset'], estimate.tokens, data_tokens))}"
         + (f" per process, {need / GIB:.1f} GiB in all" if processes > 1 else "")
         + f"; {where} {available / GIB:.1f} GiB available{per} (refused above {MARGIN:g}x that). To fit: "
         + _remedies(cfg, estimate, device)
-        + ". trainer.memory_check=false runs it anyway."
+        + ". trainer.memory_check=false runs it anyway.",
+        every_rank=device == "cuda",  # each GPU's free memory is its own
     )
+
+
+def _tokens_source(dataset: Mapping, tokens: int, data_tokens: int | None) -> str:
+    """Which keys make the micro-batch ``tokens`` long: what to change to shrink it."""
+    if data_tokens is not None and data_tokens == tokens:
+        return "the most the data's samples fill in one micro-batch"
+    if dataset["pack_sequences_in_batch"] and dataset.get("micro_batch_tokens") not in (None, "auto"):
+        return f"dataset.micro_batch_tokens={tokens}, by default micro_batch_size x seq_length"
+    return f"dataset.micro_batch_size={dataset['micro_batch_size']} x seq_length={dataset['seq_length']}"
 
 
 def _remedies(cfg: Mapping, estimate: MemoryEstimate, device: str) -> str:

@@ -122,10 +122,11 @@ def _format(record: dict[str, Any]) -> str:
     ):
         if key in record:
             parts.append(fmt.format(record[key]))
-    # dataset.overlong's work so far, on the console as well as in metrics.jsonl (shown once it happens)
+    # dataset.overlong's work since the run began (running totals), on the console as in metrics.jsonl, shown
+    # once it happens
     for key, word in (("samples_truncated", "truncated"), ("samples_dropped", "dropped")):
         if record.get(key):
-            parts.append(f"{record[key]} {word}")
+            parts.append(f"{record[key]} {word} so far")
     return " | ".join(parts)
 
 

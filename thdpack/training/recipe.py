@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from thdpack.data.loader import micro_batch_tokens
 from thdpack.megatron.fused_mlp import resolve_te_op_fuser
@@ -18,9 +18,17 @@ from thdpack.megatron.runtime import resolve_runtime
 
 from .config_error import ConfigError
 from .recipe_keys import check_keys, recipes_dir
+from .recipe_values import check_types
 from .token_budget import fit_micro_batch_tokens
 
-__all__ = ["resolve_recipe"]
+__all__ = ["check_required", "resolve_recipe"]
+
+# What a required value (``???`` in a recipe file) takes, for the message that asks for it.
+REQUIRED = {
+    "model.pretrained": "DIR, a local Hugging Face model directory (config.json, safetensors weights, tokenizer "
+    "files; python tests/make_tiny_hf.py DIR writes a tiny one)",
+    "dataset.path": "FILE (dataset=jsonl, jsonl_vlm: a JSONL file; megatron_indexed: the .bin/.idx prefix)",
+}
 
 
 def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
@@ -42,7 +50,9 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
     Raises :class:`~thdpack.training.checks.ConfigError` for a key that is not a recipe key (named with the
     closest one: :func:`thdpack.training.recipe_keys.check_keys`) and for a value that has no meaning.
     """
+    check_required(cfg)
     check_keys(cfg, recipes_dir())
+    check_types(cfg, recipes_dir())
     fit = cfg.dataset.get("micro_batch_tokens") == "fit"
     try:
         runtime = resolve_runtime(
@@ -82,6 +92,15 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.dataset.micro_batch_tokens = budget
         out.dataset.mrope = out.model.get("position_embedding_type") == "mrope"
     return out
+
+
+def check_required(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` naming a value the recipe leaves required (``???``) and the command line did not
+    set: ``model=hf needs model.pretrained=DIR``."""
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        group = key.split(".")[0]
+        option = cfg[group].get("name", "this recipe") if group in cfg else "the recipe"
+        raise ConfigError(f"{group}={option} needs {key}={REQUIRED.get(key, 'VALUE')}")
 
 
 def _device_bytes(device: str) -> int | None:

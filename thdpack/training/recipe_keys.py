@@ -19,7 +19,15 @@ import yaml
 
 from .config_error import ConfigError
 
-__all__ = ["GROUPS", "check_keys", "group_options", "recipe_schema", "recipes_dir"]
+__all__ = [
+    "GROUPS",
+    "boolean_keys",
+    "check_keys",
+    "group_options",
+    "recipe_schema",
+    "recipes_dir",
+    "unknown_key_error",
+]
 
 GROUPS = ("model", "dataset", "parallel", "trainer")
 
@@ -67,6 +75,32 @@ def _schema(recipes: str) -> dict:
     return schema
 
 
+def boolean_keys(recipes: Path) -> frozenset[tuple[str, ...]]:
+    """The keys every recipe file that sets them sets to true or false: they take nothing else."""
+    return _boolean_keys(str(recipes))
+
+
+@cache
+def _boolean_keys(recipes: str) -> frozenset[tuple[str, ...]]:
+    root = Path(recipes)
+    seen: dict[tuple[str, ...], set[bool]] = {}
+    files = [((), root / "train.yaml")]
+    files += [((g,), root / g / f"{o}.yaml") for g in GROUPS for o in group_options(root, g)]
+    for prefix, path in files:
+        _leaves(_load(path), prefix, seen)
+    return frozenset(path for path, kinds in seen.items() if kinds == {True})
+
+
+def _leaves(tree: Mapping, prefix: tuple[str, ...], seen: dict) -> None:
+    for key, value in tree.items():
+        if key in ("defaults", "hydra"):
+            continue
+        if isinstance(value, Mapping):
+            _leaves(value, (*prefix, str(key)), seen)
+        else:
+            seen.setdefault((*prefix, str(key)), set()).add(isinstance(value, bool))
+
+
 def _load(path: Path) -> dict:
     with open(path) as f:
         return yaml.safe_load(f) or {}
@@ -86,19 +120,23 @@ def check_keys(cfg: Mapping, recipes: Path) -> None:
     """Raise :class:`ConfigError` naming the first key of ``cfg`` that no recipe file has (and thdpack does not
     read), with the closest known key; ``model.config`` keys against ``TransformerConfig``'s fields."""
     for path, known in _unknown(cfg, recipe_schema(recipes), ()):
-        close = difflib.get_close_matches(path[-1], known, n=1, cutoff=0.6)
-        hint = f": did you mean {'.'.join((*path[:-1], close[0]))}?" if close else ""
-        if path[:-1] == TRANSFORMER_CONFIG:
-            raise ConfigError(
-                f"{'.'.join(path)} is not a field of megatron.core TransformerConfig{hint} (model.config takes "
-                "TransformerConfig's own key names)"
-            )
-        parent = ".".join(path[:-1])
-        raise ConfigError(
-            f"{'.'.join(path)} is not a recipe key{hint or '.'} The {f'{parent} keys' if parent else 'top-level keys'} "
-            f"are {', '.join(sorted(known))}. A key that no recipe reads would leave its default in force (Hydra's "
-            "+key=value adds any name)."
+        raise unknown_key_error(path, known)
+
+
+def unknown_key_error(path: tuple[str, ...], known: list[str]) -> ConfigError:
+    """The error for the unknown key ``path`` (a tuple of names), ``known`` the keys beside it."""
+    close = difflib.get_close_matches(path[-1], known, n=1, cutoff=0.6)
+    hint = f": did you mean {'.'.join((*path[:-1], close[0]))}?" if close else ""
+    if path[:-1] == TRANSFORMER_CONFIG:
+        return ConfigError(
+            f"{'.'.join(path)} is not a field of megatron.core TransformerConfig{hint} (model.config takes "
+            "TransformerConfig's own key names)"
         )
+    parent = ".".join(path[:-1])
+    return ConfigError(
+        f"{'.'.join(path)} is not a recipe key{hint or '.'} The {f'{parent} keys' if parent else 'top-level keys'} "
+        f"are {', '.join(sorted(known))}. A key that no recipe reads would leave its default in force."
+    )
 
 
 def _unknown(cfg: Mapping, schema: dict, path: tuple):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 
 from .config_error import ConfigError
+from .recipe_keys import TRANSFORMER_CONFIG, boolean_keys
 
-__all__ = ["LR_DECAY_STYLES", "check_values"]
+__all__ = ["LR_DECAY_STYLES", "check_types", "check_values"]
 
 # OptimizerParamScheduler.get_lr: WSD also needs wsd_decay_steps and lr_wsd_decay_style, which thdpack does not
 # pass (the scheduler asserts wsd_decay_steps is not None).
@@ -41,6 +43,66 @@ def check_values(cfg: Mapping, *, world_size: int, recipes: Path) -> None:
     save_interval = (cfg.get("checkpoint") or {}).get("save_interval")
     if save_interval is not None:
         _integer("checkpoint.save_interval", save_interval, low=1, null="never save between the end points")
+
+
+def check_types(cfg: Mapping, recipes: Path) -> None:
+    """Raise :class:`ConfigError` for a value of the wrong type: a key the recipe files set to true or false takes
+    only true or false (``bool("false")`` is True: a quoted or misspelt value would flip it), and ``model.config``'s
+    boolean, integer and float fields take what ``TransformerConfig`` declares (null: the default)."""
+    for path in sorted(boolean_keys(recipes)):
+        value = _lookup(cfg, path)
+        if value is not _ABSENT and not isinstance(value, bool):
+            quoted = isinstance(value, str) and value.lower() in ("true", "false")
+            raise ConfigError(
+                f"{'.'.join(path)} is {value!r}: it must be true or false" + (" (unquoted)" if quoted else "")
+            )
+    config = _lookup(cfg, TRANSFORMER_CONFIG)
+    if not isinstance(config, Mapping):
+        return
+    kinds = _transformer_config_kinds()
+    for name, value in config.items():
+        kind = kinds.get(str(name))
+        if value is None or kind is None:
+            continue
+        ok = {
+            "bool": isinstance(value, bool),
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "float": isinstance(value, int | float) and not isinstance(value, bool),
+        }[kind]
+        if not ok:
+            rule = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind]
+            raise ConfigError(
+                f"model.config.{name} is {value!r}: it must be {rule} (megatron.core TransformerConfig's {kind})"
+            )
+
+
+_ABSENT = object()
+
+
+def _lookup(cfg: Mapping, path: tuple[str, ...]):
+    for part in path:
+        if not isinstance(cfg, Mapping) or part not in cfg:
+            return _ABSENT
+        cfg = cfg[part]
+    return cfg
+
+
+@cache
+def _transformer_config_kinds() -> dict[str, str]:
+    """``TransformerConfig``'s fields declared ``bool``, ``int`` or ``float`` (or Optional of one), by name."""
+    import types
+    import typing
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kinds = {}
+    for name, hint in typing.get_type_hints(TransformerConfig).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+            hint = args[0]
+        if hint in (bool, int, float):
+            kinds[name] = hint.__name__
+    return kinds
 
 
 def _trainer(trainer: Mapping, recipes: Path) -> None:
@@ -135,7 +197,12 @@ def _dataset(dataset: Mapping, dp: int | None) -> None:
     _integer("dataset.seq_length", dataset["seq_length"], low=1)
     mbs = _integer("dataset.micro_batch_size", dataset["micro_batch_size"], low=1)
     gbs = _integer("dataset.global_batch_size", dataset["global_batch_size"], low=1)
-    for key, allowed in (("mode", PACKING_MODES), ("overlong", OVERLONG), ("pad_to", PAD_TO)):
+    for key, allowed in (
+        ("mode", PACKING_MODES),
+        ("overlong", OVERLONG),
+        ("pad_to", PAD_TO),
+        ("bad_lines", ("error", "skip")),
+    ):
         value = dataset.get(key, allowed[0])
         if value not in allowed:
             raise ConfigError(f"dataset.{key} is '{value}': it must be one of {', '.join(allowed)}")
