@@ -8,6 +8,7 @@
 # Every rank writes to one run directory: outputs/$THDPACK_RUN_STAMP (a time stamp unless set), or the
 # hydra.run.dir=... given among the overrides; torchrun's per-rank logs go to its logs/ folder.
 # Environment: PYTHON (python), OMP_NUM_THREADS (cores / NPROC), THDPACK_RUN_STAMP. Exits with torchrun's code.
+# kill -TERM / -USR1 / -INT <this script's pid> (or Ctrl-C): every rank saves after its current step and exits 0.
 set -euo pipefail
 
 visible_gpus() {
@@ -39,6 +40,31 @@ threads=$(($(nproc) / NPROC))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
 
 echo "thdpack: $NPROC process(es) on $(hostname), run directory $RUN_DIR, rank logs in $RUN_DIR/logs" >&2
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    --log-dir "$RUN_DIR/logs" --tee 3 \
-    -m thdpack.train "$@"
+# Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) sent to this script reach every rank once, through this script: each
+# saves a checkpoint after its current step and exits 0 (a second SIGINT stops them at once). torchrun ignores them
+# (it would end its ranks without a save, or die of SIGUSR1 and leave them training) and runs in a process group
+# of its own, so that Ctrl-C does not reach the ranks a second time. torchrun dies with this script (setpriv
+# --pdeathsig, where util-linux has it), the ranks with torchrun (after a save), their checkpoint writers with them.
+# torchrun's --signals-to-handle (read from PET_SIGNALS_TO_HANDLE; TORCHELASTIC_... where the option is missing)
+export PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
+die_with_script=()
+setpriv --help 2>/dev/null | grep -q -- --pdeathsig && die_with_script=(setpriv --pdeathsig KILL)
+set -m  # the next job in a process group of its own
+(
+    trap '' TERM INT USR1
+    exec "${die_with_script[@]}" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+        --log-dir "$RUN_DIR/logs" --tee 3 \
+        -m thdpack.train "$@"
+) &
+agent=$!
+set +m
+forward() { pkill "-$1" -P "$agent" 2>/dev/null || true; }  # torchrun's children: the ranks
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward USR1' USR1
+while :; do
+    rc=0
+    wait "$agent" || rc=$?
+    ((rc > 128)) && kill -0 "$agent" 2>/dev/null || break  # a wait cut short by a signal
+done
+exit "$rc"
