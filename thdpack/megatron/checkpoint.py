@@ -193,7 +193,7 @@ def save_checkpoint(
             leftover = set(my_files(partial, 0)) - set(files)
             files.update(checksums(partial, leftover))
             write_manifest(partial, files, iteration, _writer())
-    except Exception as error:
+    except BaseException as error:  # torch's CheckpointException is a BaseException
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         if _disk_full(error, Path(directory)):
@@ -238,7 +238,8 @@ def _disk_full(error: BaseException, directory: Path) -> bool:
     seen, stack = set(), [error]
     while stack:
         e = stack.pop()
-        if e is None or id(e) in seen:
+        e = e[0] if isinstance(e, tuple) and e else e  # torch's (exception, traceback) of a rank
+        if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
         if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
@@ -316,6 +317,7 @@ def load_checkpoint(
     the model's (naming them, and the keys of ``model_recipe`` that differ from the saved run's ``recipe.model``)
     is refused before anything loads. Nothing but tensors and plain data is read from its files."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     path = checkpoint_path(directory, iteration)
     check_format(path)
@@ -336,10 +338,15 @@ def load_checkpoint(
         if inner is not None and not inner.state and hasattr(sub, "_init_optimizer_states_with_dummy_values"):
             sub._init_optimizer_states_with_dummy_values()
     state = _sharded_state(model, optimizer, optimizer_format, is_loading=True, with_rng=same_layout)
-    _check_shapes(state["model"], path, saved.get("recipe", {}).get("model"), model_recipe)
-    loaded = dist_checkpointing.load(
-        state, str(path), sharded_strategy=SafeTorchDistLoad(), common_strategy=SafeCommonLoad()
-    )
+    saved_recipe = saved.get("recipe", {}).get("model")
+    _check_shapes(state["model"], path, saved_recipe, model_recipe)
+    try:
+        loaded = dist_checkpointing.load(
+            state, str(path), sharded_strategy=SafeTorchDistLoad(), common_strategy=SafeCommonLoad()
+        )
+    except CheckpointingException as error:  # a shape _check_shapes cannot see (a tensor built at load)
+        keys = _recipe_differences(saved_recipe, model_recipe, "model")
+        raise ValueError(f"{path}: {error}" + (f" (the keys that differ: {keys})" if keys else "")) from None
     check_extra_states(loaded["model"], path)
     unwrap_model(model).load_state_dict(loaded["model"])
     with torch.no_grad(), _torch_adam_step_kept(optimizer):  # fp32 main parameters are views of the model's

@@ -130,6 +130,7 @@ class DirLock:
     @classmethod
     def claim(cls, directory: str | os.PathLike, run_dir: str | os.PathLike | None = None) -> DirLock:
         path = Path(directory) / LOCK
+        path.parent.mkdir(parents=True, exist_ok=True)
         me = {
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -182,10 +182,12 @@ def load_plain(source: str | os.PathLike | io.BytesIO, where: str | os.PathLike 
     try:
         # An independent scan first: torch.load's weights_only can be turned off from the environment only for
         # calls that leave it unset, but the scan names the class.
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+        except ValueError:  # torch's legacy format (a storage pickled the plain way): weights_only names it
+            unsafe = []
         if unsafe:
-            more = f" (and {len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
-            raise UnsafeCheckpoint(where, f"{unsafe[0]}{more}")
+            raise UnsafeCheckpoint(where, ", ".join(unsafe))
         if isinstance(source, io.IOBase):
             source.seek(0)
         return torch.load(source, map_location="cpu", weights_only=True)
