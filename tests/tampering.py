@@ -38,15 +38,20 @@ def poison_metadata(directory: Path, marker: Path) -> None:
 
 def poison_byte_object(directory: Path, prefix: str, marker: Path) -> str:
     """Replace the first byte object whose key starts with ``prefix`` (``rng_state``) inside its shard by a
-    ``torch.save`` of a pickle that writes ``marker``; offsets in ``.metadata`` and the manifest follow. Returns
-    the shard's name."""
+    ``torch.save`` of a pickle that writes ``marker`` and then returns the original; returns the shard's name."""
+    return replace_byte_object(directory, prefix, lambda value: _Payload(marker, value))
+
+
+def replace_byte_object(directory: Path, prefix: str, change) -> str:
+    """Replace the first byte object whose key starts with ``prefix`` inside its shard by ``torch.save`` of
+    ``change(its value)``; offsets in ``.metadata`` and the manifest follow. Returns the shard's name."""
     metadata = _metadata(directory)
     index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(prefix))
     shard = directory / info.relative_path
     original = shard.read_bytes()
     value = torch.load(io.BytesIO(original[info.offset : info.offset + info.length]), weights_only=False)
     payload = io.BytesIO()
-    torch.save(_Payload(marker, value), payload)
+    torch.save(change(value), payload)
     payload = payload.getvalue()
     shard.write_bytes(original[: info.offset] + payload + original[info.offset + info.length :])
     delta = len(payload) - info.length

@@ -156,3 +156,25 @@ def test_too_little_free_space_is_warned_of_at_start_up(tmp_path, monkeypatch, c
         "has 0.00 GiB free, and one checkpoint of this model takes about 0.01 GiB: a save may fail"
         in caplog.text
     )
+
+
+def test_rng_states_saved_as_numpy_arrays_by_an_earlier_thdpack_still_resume(saved, tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from tests.tampering import replace_byte_object
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+
+    def as_before(states):  # [rng state] as thdpack saved it then: Python's and numpy's own tuples
+        state = states[0]
+        python, numpy = state["python"], state["numpy"]
+        keys = numpy["keys"].numpy().astype(np.uint32)
+        state["python"] = (python["version"], tuple(python["state"].tolist()), python["gauss"])
+        state["numpy"] = ("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])
+        return states
+
+    replace_byte_object(ckpt / "iter_0000001", "rng_state", as_before)
+    assert resume(ckpt)[0] == 1

@@ -542,9 +542,13 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     python, numpy = state["python"], state["numpy"]
-    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
-    keys = numpy["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    if isinstance(python, tuple):  # saved before the states were tensors: Python's and numpy's own tuples
+        random.setstate(python)
+        np.random.set_state(numpy)
+    else:
+        random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+        keys = numpy["keys"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -7,7 +7,8 @@ What a Megatron ``torch_dist`` checkpoint holds and how each part is read here:
   resolves only :data:`METADATA_CLASSES` (torch's checkpoint metadata dataclasses, ``torch.Size``, dtypes);
 - ``__<rank>_<i>.distcp``: tensors at offsets, plus small objects (thdpack's RNG states, Transformer Engine's
   ``_extra_state``) that torch saves with ``torch.save``: read with ``weights_only=True`` (tensors and plain
-  containers), after ``torch.serialization.get_unsafe_globals_in_checkpoint`` has found nothing else;
+  containers; numpy arrays, which RNG states held before thdpack saved them as tensors), after
+  ``torch.serialization.get_unsafe_globals_in_checkpoint`` has found nothing else;
 - ``common.pt`` (optimizer param groups, the schedule, thdpack's own state): the same;
 - ``metadata.json``: JSON, and it must name the ``torch_dist`` format (it picks megatron-core's reader).
 
@@ -24,6 +25,7 @@ allow-list first (TE's recipe classes, tensors), so that what TE then unpickles 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -175,10 +177,25 @@ def read_dcp_metadata(path: str | os.PathLike):
     return metadata
 
 
-def load_plain(source: str | os.PathLike | io.BytesIO, where: str | os.PathLike | None = None) -> Any:
-    """What ``torch.save`` wrote to ``source`` (a path or bytes), if it is tensors and plain containers only;
-    ``where`` names it in errors (the file, and the entry in it)."""
+def _numpy_arrays() -> dict[str, Any]:
+    """numpy's array rebuild, by the names a pickle gives (data only: a dtype, a shape, bytes). thdpack's RNG states
+    held numpy arrays before they were saved as tensors: a checkpoint of then still resumes."""
+    import numpy as np
+
+    found = {"numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        with contextlib.suppress(ImportError, AttributeError):
+            found[f"{module}._reconstruct"] = importlib.import_module(module)._reconstruct
+    return found
+
+
+def load_plain(
+    source: str | os.PathLike | io.BytesIO, where: str | os.PathLike | None = None, numpy_arrays: bool = False
+) -> Any:
+    """What ``torch.save`` wrote to ``source`` (a path or bytes), if it is tensors and plain containers only
+    (``numpy_arrays``: numpy arrays too); ``where`` names it in errors (the file, and the entry in it)."""
     where = str(where if where is not None else source)
+    arrays = _numpy_arrays() if numpy_arrays else {}
     try:
         # An independent scan first: torch.load's weights_only can be turned off from the environment only for
         # calls that leave it unset, but the scan names the class.
@@ -186,11 +203,13 @@ def load_plain(source: str | os.PathLike | io.BytesIO, where: str | os.PathLike 
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(source)
         except ValueError:  # torch's legacy format (a storage pickled the plain way): weights_only names it
             unsafe = []
+        unsafe = [name for name in unsafe if name not in arrays]
         if unsafe:
             raise UnsafeCheckpoint(where, ", ".join(unsafe))
         if isinstance(source, io.IOBase):
             source.seek(0)
-        return torch.load(source, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(arrays.values())):
+            return torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise DamagedCheckpoint(where, "missing") from None
     except CheckpointFileError:
@@ -259,7 +278,7 @@ def _plain_bytes_planner(base, directory):
 
     class Planner(base):
         def load_bytes(self, read_item, value):
-            loaded = load_plain(value, _where(directory, self.metadata, read_item))
+            loaded = load_plain(value, _where(directory, self.metadata, read_item), numpy_arrays=True)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:
@@ -351,7 +370,7 @@ def check_byte_objects(directory: str | os.PathLike, metadata) -> None:
             raise DamagedCheckpoint(file, f"cannot be read ({error})") from None
         if len(data) != info.length:
             raise DamagedCheckpoint(file, f"ends before entry '{index.fqn}' (truncated)")
-        load_plain(io.BytesIO(data), f"{file} (entry '{index.fqn}')")
+        load_plain(io.BytesIO(data), f"{file} (entry '{index.fqn}')", numpy_arrays=True)
 
 
 def check_extra_states(state: Mapping[str, Any], where: str | os.PathLike) -> None:
@@ -369,8 +388,6 @@ def check_extra_states(state: Mapping[str, Any], where: str | os.PathLike) -> No
 
 
 def _check_te_pickle(data: bytes, where: str) -> None:
-    import importlib
-
     try:
         recipe = importlib.import_module(TE_RECIPE_MODULE)
         recipe_classes = {n for n, v in vars(recipe).items() if isinstance(v, type)}
