@@ -1,12 +1,13 @@
-"""A checkpoint's ``manifest.json``: every file of it with its size and CRC-32, written last, checked on load.
+"""A checkpoint's ``manifest.json``: every file of it with its size and CRC-32s, written last, checked on load.
 
     sums = checksums(partial, my_files(partial, rank))      # each rank, the files it wrote (threads)
     write_manifest(partial, merged_sums, iteration, writer)  # one rank, after every rank's files are written
     damage = verify(final)                                   # None, or the first bad file and what is wrong
 
-CRC-32 finds truncation and corruption, not tampering (whoever can rewrite a shard can rewrite the manifest; what
-keeps a checkpoint from running code is thdpack.megatron.checkpoint_reader). It is zlib's, about twice as fast as
-SHA-256 here (``benchmarks/checksum_cost.py`` measures both and estimates an 8B checkpoint's cost).
+One CRC-32 per 256 MiB block of a file, so that a rank's threads sum a large file together (zlib's crc32 releases
+the GIL). CRC-32 finds truncation and corruption, not tampering (whoever can rewrite a shard can rewrite the
+manifest; what keeps a checkpoint from running code is thdpack.megatron.checkpoint_reader); it is about twice as
+fast as SHA-256 (``benchmarks/checksum_cost.py`` measures both and estimates an 8B checkpoint's cost).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "BLOCK",
     "MANIFEST",
     "REQUIRED",
     "Damage",
@@ -36,6 +38,7 @@ MANIFEST = "manifest.json"
 # What megatron-core's torch_dist format always writes: a directory without them is no checkpoint.
 REQUIRED = (".metadata", "common.pt", "metadata.json")
 _CHUNK = 8 << 20
+BLOCK = 256 << 20
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -50,20 +53,32 @@ class Damage:
         return f"{self.file}: {self.reason}"
 
 
-def crc32(path: Path) -> str:
-    value = 0
+def crc32(path: Path, start: int = 0, length: int | None = None) -> str:
+    """CRC-32 of ``length`` bytes of ``path`` from ``start`` (all of the rest when None), as 8 hex digits."""
+    value, left = 0, length
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            value = zlib.crc32(chunk, value)  # zlib releases the GIL: files are summed in parallel threads
+        f.seek(start)
+        while left is None or left > 0:
+            chunk = f.read(_CHUNK if left is None else min(_CHUNK, left))
+            if not chunk:
+                break
+            value = zlib.crc32(chunk, value)
+            left = None if left is None else left - len(chunk)
     return f"{value:08x}"
 
 
 def checksums(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {"size", "crc32"}}`` of the files ``names`` in ``directory``, summed in parallel."""
-    names = sorted(names)
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
-        sums = list(pool.map(lambda n: crc32(directory / n), names))
-    return {n: {"size": (directory / n).stat().st_size, "crc32": s} for n, s in zip(names, sums, strict=True)}
+    """``{name: {"size", "crc32": [one a block]}}`` of the files ``names`` in ``directory``, summed in parallel
+    threads, block by block."""
+    sizes = {name: (directory / name).stat().st_size for name in sorted(names)}
+    blocks = [(name, start) for name, size in sizes.items() for start in range(0, max(size, 1), BLOCK)]
+    workers = max(1, min(8, os.cpu_count() or 1, len(blocks)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        sums = list(pool.map(lambda block: crc32(directory / block[0], block[1], BLOCK), blocks))
+    found: dict[str, dict[str, Any]] = {name: {"size": size, "crc32": []} for name, size in sizes.items()}
+    for (name, _), value in zip(blocks, sums, strict=True):
+        found[name]["crc32"].append(value)
+    return found
 
 
 def my_files(directory: Path, rank: int, world: int = 1) -> list[str]:
@@ -87,6 +102,7 @@ def write_manifest(
     record = {
         "iteration": iteration,
         "checksum": "crc32",
+        "block": BLOCK,
         "writer": dict(writer),
         "files": dict(sorted(files.items())),
     }
@@ -147,11 +163,17 @@ def verify(directory: Path, share: Iterable[str] | None = None) -> Damage | None
             return Damage(
                 path, f"{size} bytes, manifest.json says {expected.get('size')} (truncated or replaced)"
             )
+    if manifest.get("block", BLOCK) != BLOCK:
+        return Damage(directory / MANIFEST, f"sums blocks of {manifest.get('block')} bytes, not {BLOCK}")
     names = sorted(files) if share is None else sorted(set(share) & set(files))
     for name, found in checksums(directory, names).items():
-        if found["crc32"] != files[name].get("crc32"):
-            return Damage(
-                directory / name,
-                f"CRC-32 {found['crc32']}, manifest.json says {files[name].get('crc32')} (corrupt)",
-            )
+        expected = files[name].get("crc32")
+        for i, value in enumerate(found["crc32"]):
+            if not isinstance(expected, list) or i >= len(expected) or value != expected[i]:
+                said = expected[i] if isinstance(expected, list) and i < len(expected) else expected
+                return Damage(
+                    directory / name,
+                    f"CRC-32 of bytes {i * BLOCK}-{min((i + 1) * BLOCK, found['size'])} is {value}, manifest.json "
+                    f"says {said} (corrupt)",
+                )
     return None

@@ -30,6 +30,8 @@ import io
 import json
 import os
 import pickle
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -183,8 +185,11 @@ def _numpy_arrays() -> dict[str, Any]:
     import numpy as np
 
     found = {"numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25: one class a dtype (UInt32DType, ...)
+    found |= {f"numpy.dtypes.{n}": v for n, v in vars(dtypes or object).items() if isinstance(v, type)}
     for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        with contextlib.suppress(ImportError, AttributeError):
+        with contextlib.suppress(ImportError, AttributeError), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2 renamed numpy.core
             found[f"{module}._reconstruct"] = importlib.import_module(module)._reconstruct
     return found
 
@@ -215,9 +220,15 @@ def load_plain(
     except CheckpointFileError:
         raise
     except pickle.UnpicklingError as error:
-        raise UnsafeCheckpoint(where, str(error).split("GLOBAL ")[-1].split(" ")[0]) from None
+        raise UnsafeCheckpoint(where, _refused_name(str(error))) from None
     except (RuntimeError, EOFError, ValueError, OSError) as error:
         raise DamagedCheckpoint(where, f"cannot be read ({type(error).__name__}: {error})") from None
+
+
+def _refused_name(message: str) -> str:
+    """What torch's weights_only unpickler refused, from its message."""
+    found = re.search(r"GLOBAL (\S+)", message) or re.search(r"but got <class '([^']+)'>", message)
+    return found.group(1) if found else "an object weights_only=True refuses"
 
 
 def read_common(directory: str | os.PathLike) -> dict:
