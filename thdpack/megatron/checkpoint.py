@@ -33,7 +33,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint_dir import TRACKER, ResumePoint, checkpoint_path, iterations, resume_point, tracked_iteration
+from .checkpoint_dir import (
+    TRACKER,
+    CheckpointWriteError,
+    ResumePoint,
+    checkpoint_path,
+    iterations,
+    resume_point,
+    tracked_iteration,
+)
 from .checkpoint_manifest import Damage, checksums, my_files, verify, write_manifest
 from .checkpoint_reader import (
     SafeCommonLoad,
@@ -208,10 +216,6 @@ def save_checkpoint(
         _write_tracker(Path(directory), iteration)
     dist.barrier()
     return final
-
-
-class CheckpointWriteError(OSError):
-    """A save that could not be written; the previous checkpoint is kept and the message says which."""
 
 
 def _writer() -> dict[str, Any]:

@@ -30,6 +30,7 @@ from .checkpoint_manifest import Damage, read_manifest, verify
 __all__ = [
     "LOCK",
     "TRACKER",
+    "CheckpointWriteError",
     "DirInUse",
     "DirLock",
     "ResumePoint",
@@ -94,6 +95,11 @@ def remove_partials(directory: str | os.PathLike) -> list[Path]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+class CheckpointWriteError(OSError):
+    """A save that could not be written (the disk is full); the previous checkpoint is kept and the message says
+    which."""
 
 
 class DirInUse(ValueError):

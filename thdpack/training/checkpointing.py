@@ -87,7 +87,7 @@ class RunCheckpoints:
             if self.lock.took_over:
                 log.warning("checkpoint.dir %s: took over its lock (%s)", self.directory, self.lock.took_over)
             for path in remove_partials(self.directory):
-                log.info("checkpoint.dir: removed %s, left by a save that did not finish", path)
+                log.warning("checkpoint.dir: removed %s, left by a save that did not finish", path)
             self._warn_if_short_of_space()
 
     def _warn_if_short_of_space(self) -> None:

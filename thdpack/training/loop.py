@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from thdpack.megatron.checkpoint import CheckpointWriteError
+from thdpack.megatron.checkpoint_dir import CheckpointWriteError
 
 from .checkpointing import RunCheckpoints, check_checkpoint_dir
 from .checks import check_recipe
