@@ -51,7 +51,9 @@ def group_option(group: str, name: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=1.0, help="bytes to sum, split over --threads files")
     parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--checkpoint", type=Path, help="an iter_XXXXXXX directory to time the manifest of")
