@@ -67,11 +67,17 @@ def test_another_data_set_is_refused_naming_the_keys_and_the_override(saved):
     with pytest.raises(ConfigError) as refused:
         resume(saved, "dataset.max_files=10")
     message = str(refused.value)
-    assert (
-        "was saved on another data set: dataset.max_files (saved 20, now 10), samples (saved 214, now "
-        in message
-    )
+    assert "was saved on another data set: fingerprint (saved '" in message
+    assert "dataset.max_files (saved 20, now 10), samples (saved 214, now " in message
     assert "checkpoint.allow_dataset_change=true" in message
+
+
+def test_the_same_samples_from_elsewhere_resume_at_the_saved_position(saved, caplog):
+    # tokenizer=auto is the byte tokenizer for tiny_gpt: the same tokens, named another way
+    with caplog.at_level(logging.INFO, logger="thdpack"):
+        iteration, data = resume(saved, "dataset.tokenizer=byte")
+    assert (iteration, data["consumed"]) == (1, 8)
+    assert "from elsewhere (dataset.tokenizer (saved 'auto', now 'byte'))" in caplog.text
 
 
 def test_allow_dataset_change_resumes_with_the_data_position_restarted(saved, caplog):

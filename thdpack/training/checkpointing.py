@@ -33,8 +33,12 @@ __all__ = ["DATASET_KEYS", "RunCheckpoints", "check_checkpoint_dir", "checkpoint
 
 log = logging.getLogger("thdpack")
 
-# The dataset keys that choose the samples and their order: a data position means nothing on another set.
+# What a checkpoint records of the data set: a data position means nothing on another one. The samples themselves
+# are known by a fingerprint (their number, a CRC-32 of the tokens of FINGERPRINT_SAMPLES of them) so that files
+# moved elsewhere (dataset.path, dataset.tokenizer) are the same data set; those keys are named when it differs.
 DATASET_KEYS = ("name", "path", "tokenizer", "chat_template_kwargs", "max_files", "synthetic", "shuffle")
+WHERE_KEYS = ("path", "tokenizer")
+FINGERPRINT_SAMPLES = 8
 # Bytes a checkpoint holds per parameter besides the weights: the distributed optimizer's fp32 main copy and
 # Adam's two fp32 moments (measured: tiny_gpt in fp32, 492,160 parameters, 8.0 MB = 16.3 bytes a parameter).
 OPTIMIZER_BYTES = 12
@@ -108,10 +112,14 @@ class RunCheckpoints:
             )
 
     def recipe(self) -> dict[str, Any]:
-        """What a checkpoint records of the recipe, to check a resume against."""
+        """What a checkpoint records of the recipe, to check a resume against (plain data)."""
         cfg, data = self.run.cfg, self.run.data
         dataset = {k: _plain(cfg.dataset.get(k)) for k in DATASET_KEYS}
-        dataset |= {"samples": int(data.state_dict()["dataset_size"]), "trainer.seed": int(cfg.trainer.seed)}
+        dataset |= {
+            "samples": len(data.dataset),
+            "fingerprint": fingerprint(data.dataset),
+            "trainer.seed": int(cfg.trainer.seed),
+        }
         return {"model": _plain(cfg.model), "dataset": dataset}
 
     def resume(self) -> int:
@@ -152,6 +160,11 @@ class RunCheckpoints:
     def _restore_data(self, state: Mapping, path: Path, dataset: Mapping) -> None:
         saved = (state.get("recipe") or {}).get("dataset")
         differ = _differences(saved, dataset) if saved is not None else []
+        if differ and all(d.split(" ")[0].removeprefix("dataset.") in WHERE_KEYS for d in differ):
+            log.info(
+                "data: the same samples as %s was saved on, from elsewhere (%s)", path, ", ".join(differ)
+            )
+            differ = []
         data_state = state["data"]
         if saved is None:  # an older thdpack's checkpoint: the loader checks the sample count and seed
             differ = [
@@ -214,13 +227,29 @@ class RunCheckpoints:
             self.lock = None
 
 
+def fingerprint(dataset) -> str:
+    """CRC-32 of the tokens (and target masks) of :data:`FINGERPRINT_SAMPLES` samples spread over ``dataset``."""
+    import zlib
+
+    import numpy as np
+
+    n = len(dataset)
+    value = 0
+    for index in sorted({int(i) for i in np.linspace(0, n - 1, min(n, FINGERPRINT_SAMPLES))}):
+        sample = dataset[index]
+        value = zlib.crc32(np.asarray(sample.tokens, dtype=np.int64).tobytes(), value)
+        if sample.target_mask is not None:
+            value = zlib.crc32(np.asarray(sample.target_mask, dtype=np.bool_).tobytes(), value)
+    return f"{value:08x}"
+
+
 def _plain(value):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _differences(saved: Mapping, mine: Mapping) -> list[str]:
     keys = sorted(set(saved) | set(mine))
-    named = {k: k if k in ("samples", "trainer.seed") else f"dataset.{k}" for k in keys}
+    named = {k: k if k in ("samples", "fingerprint", "trainer.seed") else f"dataset.{k}" for k in keys}
     return [
         f"{named[k]} (saved {saved.get(k)!r}, now {mine.get(k)!r})"
         for k in keys
