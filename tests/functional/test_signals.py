@@ -1,9 +1,10 @@
 """L1: a run stopped by a signal, as a cluster or a person stops it, with real processes on CPU (tiny_gpt, 400 steps
 so that each signal comes long before the end):
 
-- SIGTERM (SLURM's time limit or preemption, Kubernetes) and a first SIGINT: a checkpoint of the step under way,
-  exit 0; SIGTERM leaves the requeue marker, SIGINT (a person) does not; a second SIGINT stops at once, exit 130,
-  no checkpoint, no traceback;
+- SIGTERM (SLURM's time limit or preemption, Kubernetes): a checkpoint of the step under way, exit 0, the requeue
+  marker; a second SIGINT stops at once, exit 130, no checkpoint, no traceback;
+- Ctrl-C at a terminal (SIGINT to launch/torchrun.sh's process group, the terminal's foreground group) reaches the
+  rank once: a checkpoint of the step under way, exit 0, no requeue marker (a person stopped it);
 - SIGUSR1 sent to launch/torchrun.sh reaches both ranks through the script: both save the same step and exit 0,
   and no process of the run is left;
 - megatron-core's forked checkpoint writer dies with its trainer when the trainer is killed with SIGKILL mid-save
@@ -62,6 +63,13 @@ class Stopped:
     info: dict = field(default_factory=dict)
 
 
+def launcher(nproc: int, root: Path, ckpt: Path) -> Started:
+    """launch/torchrun.sh with ``nproc`` ranks, from ``root`` (its run directory: outputs/signals)."""
+    argv = ["bash", str(REPO_ROOT / "launch/torchrun.sh"), str(nproc), *FAST, *LONG, f"checkpoint.dir={ckpt}"]
+    env = {"PYTHON": sys.executable, "THDPACK_RUN_STAMP": "signals"}
+    return start(argv, root / "outputs/signals", env=env, cwd=root)
+
+
 def _end(started: Started, ckpt: Path, watched: set[int] = frozenset(), **info) -> Stopped:
     """Wait for the run; note what of its process group (and of ``watched``) still runs then; reap it."""
     wait_for_exit(started)
@@ -75,13 +83,13 @@ def _end(started: Started, ckpt: Path, watched: set[int] = frozenset(), **info) 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Stopped]:
     """Every case of the module, started together (independent runs), each signalled after its step 2."""
-    names = ("term", "int", "int_twice", "launcher", "writer")
+    names = ("term", "ctrl_c", "int_twice", "launcher", "writer")
     root = {name: tmp_path_factory.mktemp(name) for name in names}
     ckpt = {name: root[name] / "ckpt" for name in names}
     writers_file = root["writer"] / "children"
     started = {
         "term": start_train([*LONG, f"checkpoint.dir={ckpt['term']}"], root["term"] / "run"),
-        "int": start_train([*LONG, f"checkpoint.dir={ckpt['int']}"], root["int"] / "run"),
+        "ctrl_c": launcher(1, root["ctrl_c"], ckpt["ctrl_c"]),
         "int_twice": start_train(
             [*LONG, *SLOW_STEPS, f"checkpoint.dir={ckpt['int_twice']}"], root["int_twice"] / "run"
         ),
@@ -90,19 +98,7 @@ def cases(tmp_path_factory) -> dict[str, Stopped]:
             root["writer"] / "run",
             env={FORKED_CHILDREN: str(writers_file)},
         ),
-        "launcher": start(
-            [
-                "bash",
-                str(REPO_ROOT / "launch/torchrun.sh"),
-                "2",
-                *FAST,
-                *LONG,
-                f"checkpoint.dir={ckpt['launcher']}",
-            ],
-            root["launcher"] / "outputs/signals",
-            env={"PYTHON": sys.executable, "THDPACK_RUN_STAMP": "signals"},
-            cwd=root["launcher"],
-        ),
+        "launcher": launcher(2, root["launcher"], ckpt["launcher"]),
     }
     done = {}
 
@@ -116,8 +112,9 @@ def cases(tmp_path_factory) -> dict[str, Stopped]:
     done["writer"] = _end(started["writer"], ckpt["writer"], watched=writers, writers=writers)
 
     # signals as soon as each case is at its step 2 (the stopped runs free the cores for the next ones)
-    wait_for_step(started["int"], 2)
-    os.kill(started["int"].process.pid, signal.SIGINT)
+    wait_for_step(started["ctrl_c"], 2)
+    ctrl_c_processes = descendants(started["ctrl_c"].process.pid)
+    os.killpg(started["ctrl_c"].process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     wait_for_step(started["int_twice"], 2)
     os.kill(started["int_twice"].process.pid, signal.SIGINT)
     wait_for_output(started["int_twice"], "SIGINT: saving a checkpoint after this step")
@@ -128,7 +125,7 @@ def cases(tmp_path_factory) -> dict[str, Stopped]:
     # a second run on the checkpoint.dir that the SIGTERM case holds, then SIGTERM to that case
     wait_for_step(started["term"], 2)
     second = start_train([*LONG, f"checkpoint.dir={ckpt['term']}"], root["term"] / "second")
-    done["int"] = _end(started["int"], ckpt["int"])
+    done["ctrl_c"] = _end(started["ctrl_c"], ckpt["ctrl_c"], watched=ctrl_c_processes)
     done["int_twice"] = _end(started["int_twice"], ckpt["int_twice"])
     done["launcher"] = _end(started["launcher"], ckpt["launcher"], watched=ranks, seen=ranks)
     second = _end(second, ckpt["term"])
@@ -168,16 +165,18 @@ def test_a_second_run_on_the_same_checkpoint_dir_is_refused_before_step_1_naming
     assert "Traceback" not in second.output
 
 
-def test_a_first_sigint_saves_the_step_under_way_and_exits_0(cases):
-    stopped = cases["int"]
+def test_ctrl_c_at_the_torchrun_script_saves_the_step_under_way_and_exits_0(cases):
+    stopped = cases["ctrl_c"]
     last = stopped.run.check().steps[-1]
+    assert 2 <= last < 400
     assert latest_iteration(stopped.ckpt) == last
+    assert "second SIGINT" not in stopped.run.output  # one Ctrl-C reached the rank once
     assert "Traceback" not in stopped.run.output
     assert stopped.left == set()
 
 
 def test_a_run_stopped_by_a_person_does_not_ask_slurm_to_requeue_it(cases):
-    assert not (cases["int"].run.run_dir / MARKER).exists()
+    assert not (cases["ctrl_c"].run.run_dir / MARKER).exists()
 
 
 def test_a_second_sigint_stops_at_once_without_a_checkpoint(cases):

@@ -15,6 +15,7 @@ is refused unless ``checkpoint.allow_dataset_change=true``, which restarts the d
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import shutil
 from collections.abc import Mapping
@@ -111,8 +112,9 @@ class RunCheckpoints:
                 need / 2**30,
             )
 
+    @functools.cached_property
     def recipe(self) -> dict[str, Any]:
-        """What a checkpoint records of the recipe, to check a resume against (plain data)."""
+        """What a checkpoint records of the recipe, to check a resume against (plain data; once a run)."""
         cfg, data = self.run.cfg, self.run.data
         dataset = {k: _plain(cfg.dataset.get(k)) for k in DATASET_KEYS}
         dataset |= {
@@ -140,7 +142,7 @@ class RunCheckpoints:
                     log.warning(
                         "%s has no manifest.json (an older thdpack's): its files are not checked", point.path
                     )
-            recipe = self.recipe()
+            recipe = self.recipe
             state = load_checkpoint(
                 self.directory,
                 point.iteration,
@@ -208,7 +210,7 @@ class RunCheckpoints:
             )
             return True
         run = self.run
-        extra = {"data": run.data.state_dict(), "recipe": self.recipe()}
+        extra = {"data": run.data.state_dict(), "recipe": self.recipe}
         save_checkpoint(
             self.directory,
             iteration,
