@@ -198,7 +198,7 @@ def save_checkpoint(
         sums = all_gather_host(checksums(partial, my_files(partial, rank, dist.get_world_size())))
         if rank == 0:
             files = {name: entry for part in sums for name, entry in part.items()}
-            leftover = set(my_files(partial, 0)) - set(files)
+            leftover = set(my_files(partial, 0)) - set(files)  # world 1: every file; any no rank claimed
             files.update(checksums(partial, leftover))
             write_manifest(partial, files, iteration, _writer())
     except BaseException as error:  # torch's CheckpointException is a BaseException
