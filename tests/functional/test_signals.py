@@ -9,7 +9,8 @@ so that each signal comes long before the end):
   and no process of the run is left;
 - megatron-core's forked checkpoint writer dies with its trainer when the trainer is killed with SIGKILL mid-save
   (processes.py's test hook holds the writer for 60 s, so the save is under way when the kill comes);
-- a second run on a checkpoint.dir that a running run holds is refused before step 1, naming its host and pid.
+- a second run on a checkpoint.dir that a running run holds (the one stuck in its save) is refused before step 1,
+  naming its host and pid.
 
 The processes of each case are looked at before the test reaps them: a run's process group (and, for the launcher,
 every process it started, torchrun being in a group of its own) must be empty once its first process has ended.
@@ -38,28 +39,26 @@ from .training import (
     Run,
     Started,
     descendants,
+    ended,
     finish,
     group_members,
     living,
+    read_metrics,
     start,
     start_train,
     wait_for_exit,
-    wait_for_output,
-    wait_for_step,
 )
 
 pytestmark = [pytest.mark.functional, pytest.mark.cpu_only]
 
 LONG = ["trainer.train_iters=5000", "trainer.lr_warmup_iters=1"]
-# steps of about half a second on two cores: a second SIGINT sent once the first is noted lands in the same step
-SLOW_STEPS = ["dataset.global_batch_size=32", "dataset.micro_batch_size=4"]
 
 
 @dataclass
 class Stopped:
     run: Run
     ckpt: Path
-    left: set[int] = field(default_factory=set)  # processes of the run still running once it ended
+    left: dict[int, str] = field(default_factory=dict)  # processes of the run still running once it ended
     info: dict = field(default_factory=dict)
 
 
@@ -71,18 +70,29 @@ def launcher(nproc: int, root: Path, ckpt: Path) -> Started:
 
 
 def _end(started: Started, ckpt: Path, watched: set[int] = frozenset(), **info) -> Stopped:
-    """Wait for the run; note what of its process group (and of ``watched``) still runs then; reap it."""
+    """Wait for the run; note what of its process group (and of ``watched``) still runs 5 s later (what dies with
+    its parent gets its signal at once; a loaded machine may take a moment to end it); reap it."""
     wait_for_exit(started)
-    time.sleep(0.5)  # what dies with its parent gets its signal at once: a moment to go
-    left = group_members(started.process.pid) | living(watched)
+    deadline = time.monotonic() + 5
+    while (left := group_members(started.process.pid) | living(watched)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {pid: _command(pid) for pid in left}
     for pid in living(watched):
         os.kill(pid, signal.SIGKILL)
     return Stopped(finish(started), ckpt, left, info)
 
 
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "(ended)"
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Stopped]:
-    """Every case of the module, started together (independent runs), each signalled after its step 2."""
+    """Every case of the module, started together (independent runs), each signalled as soon as it is at its
+    step 2 (a run that waits for its signal burns the cores the others start on)."""
     names = ("term", "ctrl_c", "int_twice", "launcher", "writer")
     root = {name: tmp_path_factory.mktemp(name) for name in names}
     ckpt = {name: root[name] / "ckpt" for name in names}
@@ -90,9 +100,7 @@ def cases(tmp_path_factory) -> dict[str, Stopped]:
     started = {
         "term": start_train([*LONG, f"checkpoint.dir={ckpt['term']}"], root["term"] / "run"),
         "ctrl_c": launcher(1, root["ctrl_c"], ckpt["ctrl_c"]),
-        "int_twice": start_train(
-            [*LONG, *SLOW_STEPS, f"checkpoint.dir={ckpt['int_twice']}"], root["int_twice"] / "run"
-        ),
+        "int_twice": start_train([*LONG, f"checkpoint.dir={ckpt['int_twice']}"], root["int_twice"] / "run"),
         "writer": start_train(
             [*LONG, "checkpoint.save_interval=1", f"checkpoint.dir={ckpt['writer']}"],
             root["writer"] / "run",
@@ -100,37 +108,62 @@ def cases(tmp_path_factory) -> dict[str, Stopped]:
         ),
         "launcher": launcher(2, root["launcher"], ckpt["launcher"]),
     }
-    done = {}
+    watched: dict[str, set[int]] = {}
 
-    # the first save's writers are held for 60 s: the trainer is killed meanwhile
-    deadline = time.monotonic() + 120
-    while not (writers_file.exists() and writers_file.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)  # every writer of the save has started
-    writers = {int(pid) for pid in writers_file.read_text().split()} if writers_file.exists() else set()
-    os.kill(started["writer"].process.pid, signal.SIGKILL)  # the trainer alone, not its process group
-    done["writer"] = _end(started["writer"], ckpt["writer"], watched=writers, writers=writers)
+    def at_step_2(name: str) -> bool:
+        return 2 in [r["step"] for r in read_metrics(started[name].run_dir)]
 
-    # signals as soon as each case is at its step 2 (the stopped runs free the cores for the next ones)
-    wait_for_step(started["ctrl_c"], 2)
-    ctrl_c_processes = descendants(started["ctrl_c"].process.pid)
-    os.killpg(started["ctrl_c"].process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-    wait_for_step(started["int_twice"], 2)
-    os.kill(started["int_twice"].process.pid, signal.SIGINT)
-    wait_for_output(started["int_twice"], "SIGINT: saving a checkpoint after this step")
-    os.kill(started["int_twice"].process.pid, signal.SIGINT)
-    wait_for_step(started["launcher"], 2)
-    ranks = descendants(started["launcher"].process.pid)
-    os.kill(started["launcher"].process.pid, signal.SIGUSR1)
-    # a second run on the checkpoint.dir that the SIGTERM case holds, then SIGTERM to that case
-    wait_for_step(started["term"], 2)
-    second = start_train([*LONG, f"checkpoint.dir={ckpt['term']}"], root["term"] / "second")
-    done["ctrl_c"] = _end(started["ctrl_c"], ckpt["ctrl_c"], watched=ctrl_c_processes)
-    done["int_twice"] = _end(started["int_twice"], ckpt["int_twice"])
-    done["launcher"] = _end(started["launcher"], ckpt["launcher"], watched=ranks, seen=ranks)
-    second = _end(second, ckpt["term"])
-    os.kill(started["term"].process.pid, signal.SIGTERM)
-    done["term"] = _end(started["term"], ckpt["term"], second=second.run, pid=started["term"].process.pid)
+    def first_sigint_noted() -> bool:
+        return "SIGINT: saving a checkpoint after this step" in started["int_twice"].log_path.read_text()
+
+    def writers() -> set[int]:
+        return {int(pid) for pid in writers_file.read_text().split()} if writers_file.exists() else set()
+
+    def stop_ctrl_c():
+        watched["ctrl_c"] = descendants(started["ctrl_c"].process.pid)
+        os.killpg(started["ctrl_c"].process.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+
+    def stop_launcher():
+        watched["launcher"] = descendants(started["launcher"].process.pid)
+        os.kill(started["launcher"].process.pid, signal.SIGUSR1)
+
+    second = {}
+
+    def refuse_a_second_run():  # the writer's trainer holds its checkpoint.dir, stuck in its first save
+        time.sleep(0.2)  # every writer of that save has started
+        watched["writer"] = writers()
+        second["run"] = start_train([*LONG, f"checkpoint.dir={ckpt['writer']}"], root["writer"] / "second")
+
+    # (when, what), in order for each run; the second SIGINT comes once the first is noted: within the step or
+    # the save after it (about a second in all)
+    steps = {
+        "term": [(lambda: at_step_2("term"), lambda: os.kill(started["term"].process.pid, signal.SIGTERM))],
+        "ctrl_c": [(lambda: at_step_2("ctrl_c"), stop_ctrl_c)],
+        "int_twice": [
+            (
+                lambda: at_step_2("int_twice"),
+                lambda: os.kill(started["int_twice"].process.pid, signal.SIGINT),
+            ),
+            (first_sigint_noted, lambda: os.kill(started["int_twice"].process.pid, signal.SIGINT)),
+        ],
+        "launcher": [(lambda: at_step_2("launcher"), stop_launcher)],
+        "writer": [
+            (lambda: bool(writers()), refuse_a_second_run),
+            (lambda: ended(second["run"]), lambda: None),
+            # the trainer alone, not its process group (its writer is in it)
+            (lambda: True, lambda: os.kill(started["writer"].process.pid, signal.SIGKILL)),
+        ],
+    }
+    deadline = time.monotonic() + 300
+    while any(steps.values()) and time.monotonic() < deadline:
+        for todo in steps.values():
+            while todo and todo[0][0]():
+                todo.pop(0)[1]()
+        time.sleep(0.02)
+    done = {name: _end(run, ckpt[name], watched=watched.get(name, set())) for name, run in started.items()}
+    done["writer"].info = {"writers": watched.get("writer", set()), "pid": started["writer"].process.pid}
+    done["writer"].info["second"] = _end(second["run"], ckpt["writer"]).run if second else None
+    done["launcher"].info = {"seen": watched.get("launcher", set())}
     return done
 
 
@@ -150,16 +183,16 @@ def test_sigterm_leaves_the_marker_that_requeues_a_slurm_job(cases):
 
 
 def test_a_run_stopped_by_sigterm_leaves_no_process(cases):
-    assert cases["term"].left == set()
+    assert cases["term"].left == {}
 
 
 def test_a_second_run_on_the_same_checkpoint_dir_is_refused_before_step_1_naming_the_first(cases):
-    term = cases["term"]
-    second = term.info["second"]
+    first = cases["writer"]
+    second = first.info["second"]
     assert second.returncode == 2
     assert second.steps == []
     assert (
-        f"checkpoint.dir {term.ckpt} is in use by pid {term.info['pid']} on host {socket.gethostname()}"
+        f"checkpoint.dir {first.ckpt} is in use by pid {first.info['pid']} on host {socket.gethostname()}"
         in (second.output)
     )
     assert "Traceback" not in second.output
@@ -172,7 +205,7 @@ def test_ctrl_c_at_the_torchrun_script_saves_the_step_under_way_and_exits_0(case
     assert latest_iteration(stopped.ckpt) == last
     assert "second SIGINT" not in stopped.run.output  # one Ctrl-C reached the rank once
     assert "Traceback" not in stopped.run.output
-    assert stopped.left == set()
+    assert stopped.left == {}
 
 
 def test_a_run_stopped_by_a_person_does_not_ask_slurm_to_requeue_it(cases):
@@ -185,7 +218,7 @@ def test_a_second_sigint_stops_at_once_without_a_checkpoint(cases):
     assert "a second SIGINT: stopping at once, without a checkpoint" in stopped.run.output
     assert "Traceback" not in stopped.run.output
     assert latest_iteration(stopped.ckpt) is None
-    assert stopped.left == set()
+    assert stopped.left == {}
 
 
 def test_sigusr1_to_the_torchrun_script_saves_every_rank_at_the_same_step_and_exits_0(cases):
@@ -202,14 +235,14 @@ def test_sigusr1_to_the_torchrun_script_saves_every_rank_at_the_same_step_and_ex
 def test_no_process_of_the_torchrun_script_outlives_it(cases):
     launcher = cases["launcher"]
     assert len(launcher.info["seen"]) >= 3  # torchrun and its two ranks were seen
-    assert launcher.left == set()
+    assert launcher.left == {}
 
 
 def test_a_trainer_killed_mid_save_takes_its_checkpoint_writer_with_it(cases):
     writer = cases["writer"]
     assert writer.run.returncode == -9
     assert writer.info["writers"], "no checkpoint writer was forked"
-    assert writer.left == set()
+    assert writer.left == {}
     assert latest_iteration(writer.ckpt) is None
     assert sorted(p.name for p in writer.ckpt.iterdir() if p.name.startswith("iter_")) == [
         "iter_0000001.partial"

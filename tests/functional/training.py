@@ -163,19 +163,6 @@ def wait_for_step(run: Started, step: int, timeout: float = 120) -> None:
     pytest.fail(f"the run never logged step {step}\n{tail(run.log_path.read_text())}")
 
 
-def wait_for_output(run: Started, text: str, timeout: float = 120) -> None:
-    """Return as soon as the run's log holds ``text``; fail if the run ends or ``timeout`` passes first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in run.log_path.read_text():
-            return
-        if run.process.poll() is not None:
-            break
-        time.sleep(0.01)
-    kill_group(run)
-    pytest.fail(f"the run never printed {text!r}\n{tail(run.log_path.read_text())}")
-
-
 def descendants(pid: int) -> set[int]:
     """The processes started by ``pid`` and by them, now (from /proc: also those in other process groups)."""
     children: dict[int, list[int]] = {}
@@ -205,10 +192,15 @@ def group_members(pgid: int) -> set[int]:
     return members
 
 
+def ended(run: Started) -> bool:
+    """Whether the run's first process has ended (not reaping it: its process group stays ours)."""
+    return os.waitid(os.P_PID, run.process.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+
+
 def wait_for_exit(run: Started, timeout: float = 180) -> bool:
-    """Wait until the run's first process ends (not reaped: its process group stays ours); False at ``timeout``."""
+    """Wait until the run's first process ends (not reaped); False at ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not os.waitid(os.P_PID, run.process.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG):
+    while not ended(run):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
