@@ -9,6 +9,7 @@
 # hydra.run.dir=... given among the overrides; torchrun's per-rank logs go to its logs/ folder.
 # Environment: PYTHON (python), OMP_NUM_THREADS (cores / NPROC), THDPACK_RUN_STAMP. Exits with torchrun's code,
 # or 2 when the recipe cannot run (its message printed once, by rank 0).
+# kill -TERM / -USR1 / -INT <this script's pid> (or Ctrl-C): every rank saves after its current step and exits 0.
 set -euo pipefail
 
 visible_gpus() {
@@ -55,14 +56,30 @@ echo "thdpack: $NPROC process(es) on $(hostname), run directory $RUN_DIR, rank l
 fifo=$(mktemp -u "${TMPDIR:-/tmp}/thdpack-torchrun.XXXXXX")
 mkfifo "$fifo"
 trap 'rm -f "$fifo"' EXIT
-(trap '' INT TERM; exec awk "$FILTER" <"$fifo" >&2) &
+(trap '' INT TERM USR1; exec awk "$FILTER" <"$fifo" >&2) &
 filter=$!
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    --log-dir "$RUN_DIR/logs" --tee 3 \
-    -m thdpack.train "$@" 2>"$fifo" &
+# Signals: SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) sent to this script reach every rank once, through this script: each
+# saves a checkpoint after its current step and exits 0 (a second SIGINT stops them at once). torchrun ignores them
+# (it would end its ranks without a save, or die of SIGUSR1 and leave them training) and runs in a process group
+# of its own, so that Ctrl-C does not reach the ranks a second time. torchrun dies with this script (setpriv
+# --pdeathsig, where util-linux has it), the ranks with torchrun (after a save), their checkpoint writers with them.
+# torchrun's --signals-to-handle (read from PET_SIGNALS_TO_HANDLE; TORCHELASTIC_... where the option is missing)
+export PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
+die_with_script=()
+setpriv --help 2>/dev/null | grep -q -- --pdeathsig && die_with_script=(setpriv --pdeathsig KILL)
+set -m  # the next job in a process group of its own
+(
+    trap '' TERM INT USR1
+    exec "${die_with_script[@]}" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+        --log-dir "$RUN_DIR/logs" --tee 3 \
+        -m thdpack.train "$@" 2>"$fifo"
+) &
 agent=$!
-# A background job ignores Ctrl-C: the script passes it (and SIGTERM) on to torchrun, which stops its ranks.
-trap 'kill -TERM "$agent" 2>/dev/null' INT TERM
+set +m
+forward() { pkill "-$1" -P "$agent" 2>/dev/null || true; }  # torchrun's children: the ranks
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward USR1' USR1
 while :; do
     rc=0
     wait "$agent" || rc=$?

@@ -163,6 +163,60 @@ def wait_for_step(run: Started, step: int, timeout: float = 120) -> None:
     pytest.fail(f"the run never logged step {step}\n{tail(run.log_path.read_text())}")
 
 
+def descendants(pid: int) -> set[int]:
+    """The processes started by ``pid`` and by them, now (from /proc: also those in other process groups)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def group_members(pgid: int) -> set[int]:
+    """The running processes of process group ``pgid`` (a leader that ended but is not reaped is left out)."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    members.add(int(entry.name))
+    return members
+
+
+def ended(run: Started) -> bool:
+    """Whether the run's first process has ended (not reaping it: its process group stays ours)."""
+    return os.waitid(os.P_PID, run.process.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+
+
+def wait_for_exit(run: Started, timeout: float = 180) -> bool:
+    """Wait until the run's first process ends (not reaped); False at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not ended(run):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def living(pids) -> set[int]:
+    """Those of ``pids`` still running (a zombie, ended but not yet reaped, counts as ended)."""
+    alive = set()
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+    return alive
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():

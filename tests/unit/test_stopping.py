@@ -74,3 +74,45 @@ def test_close_gives_the_signal_back_to_its_previous_handler(world):
     previous = signal.getsignal(EXIT_SIGNAL)
     EarlyStop().close()
     assert signal.getsignal(EXIT_SIGNAL) is previous
+
+
+@pytest.mark.parametrize(
+    ("sig", "reason"),
+    [
+        (signal.SIGTERM, "SIGTERM (a request to terminate)"),
+        (signal.SIGINT, "SIGINT (an interrupt; a second one stops at once)"),
+    ],
+)
+def test_sigterm_and_a_first_sigint_stop_after_the_step(stop, sig, reason):
+    early = stop()
+    os.kill(os.getpid(), sig)
+    assert early.agreed() == reason
+
+
+def test_a_second_sigint_stops_at_once(stop):
+    from thdpack.training.signals import StopNow
+
+    stop()
+    os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(StopNow, match="a second SIGINT: stopping at once, without a checkpoint"):
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.getsignal(signal.SIGINT)  # the handler runs between bytecodes: here at the latest
+
+
+def test_a_signal_noted_before_the_loop_starts_counts(world):
+    from thdpack.training import signals
+
+    signals.install()  # what python -m thdpack.train does before its imports
+    os.kill(os.getpid(), signal.SIGUSR1)
+    early = EarlyStop()
+    try:
+        assert early.agreed() == "SIGUSR1 (the scheduler's warning)"
+    finally:
+        early.close()
+        signals.uninstall()
+
+
+def test_no_marker_when_a_person_interrupted_the_run(stop, tmp_path):
+    reason = "SIGINT (an interrupt; a second one stops at once)"
+    stop().record(tmp_path, 7, reason, tmp_path / "ckpt", write=True)
+    assert not (tmp_path / MARKER).exists()

@@ -148,6 +148,7 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[
         chosen = checkpoint_path(root, iteration)
         if not chosen.is_dir():
             raise FileNotFoundError(f"{chosen} does not exist")
+    _check_complete(chosen, root)
     hf_dir = root / HF_SUBDIR
     if not (hf_dir / "thdpack.json").is_file():
         raise FileNotFoundError(
@@ -155,6 +156,21 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> tuple[
             "model.pretrained=DIR) keep what an export needs"
         )
     return chosen, hf_dir
+
+
+def _check_complete(chosen: Path, root: Path) -> None:
+    """The checkpoint's files against its manifest; a damaged one is refused naming the file (and the newest
+    complete checkpoint beside it, if any)."""
+    from thdpack.megatron.checkpoint_dir import checkpoint_path, iterations
+    from thdpack.megatron.checkpoint_manifest import verify
+
+    damage = verify(chosen)
+    if damage is None:
+        return
+    others = (checkpoint_path(root, i) for i in iterations(root))
+    complete = next((p for p in others if p != chosen and verify(p) is None), None)
+    hint = f"; the newest complete checkpoint there is {complete.name} (--iteration {int(complete.name[5:])})"
+    raise ValueError(f"{chosen} is damaged: {damage}{hint if complete else ''}")
 
 
 class InMemoryTensors:

@@ -31,7 +31,6 @@ its layers are stacked the same way behind that prefix; the wrapper's other modu
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from math import prod
@@ -90,25 +89,19 @@ def unstacked_name(key: str, index: tuple[int, ...]) -> str:
     return name
 
 
-def _check_format(directory: Path) -> None:
-    path = directory / "metadata.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {directory} is not a Megatron distributed checkpoint")
-    backend = json.loads(path.read_text()).get("sharded_backend")
-    if backend != "torch_dist":
-        raise ValueError(
-            f"{path}: sharded_backend is {backend!r}; only Megatron's 'torch_dist' format (torch DCP) can be read"
-        )
-
-
 def model_tensor_keys(directory: str | Path) -> dict[str, object]:
-    """``{key: DCP TensorStorageMetadata}`` of the checkpoint's model tensors (global shapes, dtype, chunks)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """``{key: DCP TensorStorageMetadata}`` of the checkpoint's model tensors (global shapes, dtype, chunks). The
+    checkpoint is read without running code from it (:mod:`thdpack.megatron.checkpoint_reader`): its byte objects
+    are read as plain data too, and a checkpoint that holds anything else is refused."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from thdpack.megatron.checkpoint_reader import check_byte_objects, check_format, read_dcp_metadata
+
     directory = Path(directory)
-    _check_format(directory)
-    meta = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    check_format(directory)
+    metadata = read_dcp_metadata(directory / ".metadata")
+    check_byte_objects(directory, metadata)
+    meta = metadata.state_dict_metadata
     return {
         k: m for k, m in sorted(meta.items()) if isinstance(m, TensorStorageMetadata) and _is_model_tensor(k)
     }
@@ -132,6 +125,14 @@ def whole_entries(key: str, meta, depth: int, directory: str | Path) -> list[tup
     return sorted(covered)
 
 
+def _first_failure(error) -> str:
+    failures = getattr(error, "failures", None) or {}
+    for failure in failures.values():
+        cause = getattr(failure, "exc", failure)
+        return f"{type(cause).__name__}: {cause}"
+    return str(error)
+
+
 def _product(ranges: list[range]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = [()]
     for r in ranges:
@@ -145,6 +146,8 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     only; no process group is needed."""
     import torch.distributed.checkpoint as dcp
 
+    from thdpack.megatron.checkpoint_reader import SafeFileSystemReader
+
     directory = Path(directory)
     keys = model_tensor_keys(directory)
     if not keys:
@@ -153,7 +156,10 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         # no_dist=True is the point: one process reads what every rank wrote
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)), no_dist=True)
+        except dcp.api.CheckpointException as error:  # a shard that ends early or cannot be read
+            raise ValueError(f"{directory}: its tensors cannot be read ({_first_failure(error)})") from None
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         axes = _stacked_axes(key)

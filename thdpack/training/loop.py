@@ -29,17 +29,22 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from thdpack.megatron.checkpoint_dir import CheckpointWriteError
+
+from .checkpointing import RunCheckpoints, check_checkpoint_dir
 from .checks import check_recipe
 from .config_error import ConfigError, exit_with
 from .deferred import DeferredScalars
 from .flops import FlopsModel
 from .memory import check_memory
 from .metrics import MetricsWriter, memory_summary, summarize
+from .nonfinite import NonfiniteGuard
 from .overrides import check_overrides
 from .profiling import profile
 from .recipe import resolve_recipe
 from .recipe_keys import recipes_dir
 from .resume import continue_metrics, nothing_to_train, schedule_changes
+from .signals import StopNow
 from .stopping import MARKER, EarlyStop
 
 if TYPE_CHECKING:
@@ -113,6 +118,12 @@ def _hydra_main(cfg: DictConfig) -> None:
         train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as error:
         exit_with(error)
+    except (FloatingPointError, CheckpointWriteError) as error:  # said in full by the message
+        print(f"thdpack: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except StopNow as error:
+        print(f"thdpack: {error} (the steps since the last checkpoint are lost)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 @dataclass
@@ -368,38 +379,28 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the recipe ``cfg``; write metrics to ``run_dir`` (rank 0 of the last stage); return the summary."""
     from megatron.core import parallel_state as ps
 
-    from thdpack.megatron.checkpoint import (
-        check_optimizer_format,
-        latest_iteration,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from thdpack.megatron.checkpoint import check_optimizer_format
 
     optimizer_format = check_optimizer_format(cfg.checkpoint.get("optimizer_format", "fully_reshardable"))
     stop = EarlyStop(cfg.trainer.get("exit_duration_mins"))  # from the start: a signal during set-up counts
     _setup_logging()
     if os.environ.get("RANK", "0") == "0":
         log.info("run directory: %s", run_dir.resolve())
+    check_checkpoint_dir(cfg.checkpoint.dir)  # before set-up: found now, not at the first save
     run = setup_run(cfg)
     cfg = run.cfg
     trainer, data = cfg.trainer, run.data
     ckpt_dir = cfg.checkpoint.dir
+    checkpoints = RunCheckpoints(run, run_dir, optimizer_format)  # one run per checkpoint.dir
     if ckpt_dir is not None and cfg.model.get("pretrained") and dist.get_rank() == 0:
         from thdpack.hf.directory import keep_with_checkpoint  # what python -m thdpack.export needs
 
         keep_with_checkpoint(ckpt_dir, cfg.model, run.runtime.precision)
     if run.logging_rank:
         (run_dir / MARKER).unlink(missing_ok=True)  # an earlier attempt's, in the same run directory
-    iteration = 0
-    resume_from = latest_iteration(ckpt_dir)
-    if resume_from is not None:
-        schedule = run.scheduler.state_dict()  # the recipe's, before the checkpoint's replaces it
-        state = load_checkpoint(
-            ckpt_dir, resume_from, run.model, run.optimizer, run.scheduler, seed=int(trainer.seed)
-        )
-        data.load_state_dict(state["data"])
-        iteration = int(state["iteration"])
-        log.info("resumed from %s at iteration %d", ckpt_dir, iteration)
+    schedule = run.scheduler.state_dict()  # the recipe's, before a checkpoint's replaces it
+    iteration = checkpoints.resume()
+    if iteration:
         changed = schedule_changes(schedule, run.scheduler.state_dict(), iteration, int(trainer.train_iters))
         if changed:
             log.warning(changed)
@@ -411,19 +412,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     done = nothing_to_train(ckpt_dir, iteration, int(trainer.train_iters))
     if done:
         log.warning(done)
+    nonfinite = NonfiniteGuard(trainer.on_nonfinite, trainer.get("max_consecutive_skips", 10), ckpt_dir)
 
-    def save(at: int) -> None:
-        if ckpt_dir is not None:
-            save_checkpoint(
-                ckpt_dir,
-                at,
-                run.model,
-                run.optimizer,
-                run.scheduler,
-                {"data": data.state_dict()},
-                optimizer_format=optimizer_format,
-            )
-            log.info("saved checkpoint of iteration %d to %s", at, ckpt_dir)
+    def save(at: int) -> bool:
+        return checkpoints.save(at, nonfinite.unsaveable)
 
     train_iters = int(trainer.train_iters)
     exit_interval, save_interval = trainer.get("exit_interval"), cfg.checkpoint.get("save_interval")
@@ -441,7 +433,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def settle(entries) -> None:
         nonlocal skipped
         for entry in entries:
-            skipped += _settle(run, writer, *entry)
+            message = _settle(run, writer, *entry)
+            skipped += message is not None
+            nonfinite.settled(entry[0], message)
 
     started = time.perf_counter()
     while iteration < train_iters:
@@ -474,12 +468,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         stopped_early = stop.agreed() if iteration < train_iters else None
         if saving or exiting or stopped_early:
             settle(scalars.drain())
-        if saving:
-            save(iteration)
+        saved = save(iteration) if saving or stopped_early else False
         if stopped_early:
-            if not saving:
-                save(iteration)
-            stop.record(run_dir, iteration, stopped_early, ckpt_dir, write=run.logging_rank)
+            stop.record(run_dir, iteration, stopped_early, ckpt_dir, write=run.logging_rank, saved=saved)
             break
         if exiting:
             if not saving:
@@ -525,6 +516,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
         log.info("run directory: %s", run_dir.resolve())
     stop.close()
+    checkpoints.close()
     _shutdown()
     return summary
 
@@ -560,10 +552,10 @@ def _step_record(iteration, step_time, run: Run) -> dict:
     }
 
 
-def _settle(run: Run, writer: MetricsWriter, step: int, values: list[float], info: dict) -> int:
-    """Act on step ``step`` once its :data:`STEP_SCALARS` are on the host: stop on a held-back update
-    (``trainer.on_nonfinite=error``) or count it and take it off the learning-rate schedule; write the step's
-    record if it has one. Returns 1 for a held-back update, else 0."""
+def _settle(run: Run, writer: MetricsWriter, step: int, values: list[float], info: dict) -> str | None:
+    """Act on step ``step`` once its :data:`STEP_SCALARS` are on the host: take a held-back update off the
+    learning-rate schedule (``trainer.on_nonfinite=skip``); write the step's record if it has one. Returns what
+    made a held-back update's step non-finite (:class:`NonfiniteGuard` decides what follows), else None."""
     scalars = dict(zip(STEP_SCALARS, values, strict=True))
     held_back = scalars["skipped"] > 0
     if held_back:
@@ -571,17 +563,15 @@ def _settle(run: Run, writer: MetricsWriter, step: int, values: list[float], inf
         message = f"step {step}: the gradient norm is {scalars['grad_norm']}" + (
             f"; the first non-finite loss is in micro-batch {where} of {info['batches']}" if where else ""
         )
-        if run.cfg.trainer.on_nonfinite == "error":
-            raise FloatingPointError(message + " (trainer.on_nonfinite=skip drops such updates and goes on)")
-        run.scheduler.step(increment=-1)
-        log.warning("%s: update skipped", message)
+        if run.cfg.trainer.on_nonfinite == "skip":
+            run.scheduler.step(increment=-1)
     record = info.get("record")
     if record is not None:
         record |= {"grad_norm": scalars["grad_norm"], "skipped": held_back}
         if info["has_loss"]:
             record["loss"] = scalars["loss"]
         writer.log(record)
-    return int(held_back)
+    return message if held_back else None
 
 
 def _evaluate(run: Run, iters: int) -> float | None:

@@ -43,6 +43,9 @@ def check_values(cfg: Mapping, *, world_size: int, recipes: Path) -> None:
     save_interval = (cfg.get("checkpoint") or {}).get("save_interval")
     if save_interval is not None:
         _integer("checkpoint.save_interval", save_interval, low=1, null="never save between the end points")
+    allow = (cfg.get("checkpoint") or {}).get("allow_dataset_change", False)
+    if not isinstance(allow, bool):
+        raise ConfigError(f"checkpoint.allow_dataset_change is {allow!r}: it must be true or false")
 
 
 def check_types(cfg: Mapping, recipes: Path) -> None:
@@ -191,6 +194,7 @@ def _trainer(trainer: Mapping, recipes: Path) -> None:
         raise ConfigError(
             f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip"
         )
+    _integer("trainer.max_consecutive_skips", trainer.get("max_consecutive_skips", 10), low=1)
 
 
 def _dataset(dataset: Mapping, dp: int | None) -> None:

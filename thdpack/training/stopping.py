@@ -1,5 +1,6 @@
-"""Stopping early with a checkpoint: on the scheduler's warning signal (SIGUSR1, ``#SBATCH --signal=B:USR1@300``
-in launch/slurm.sbatch) or once ``trainer.exit_duration_mins`` have passed.
+"""Stopping early with a checkpoint: on a stop signal (:mod:`thdpack.training.signals`: SIGTERM, SIGUSR1 as
+``#SBATCH --signal=B:USR1@300`` in launch/slurm.sbatch sends it, a first SIGINT) or once
+``trainer.exit_duration_mins`` have passed.
 
     stop = EarlyStop(exit_duration_mins=230)   # first thing in a run: the handler only sets a flag
     ...                                        # each step
@@ -9,8 +10,10 @@ in launch/slurm.sbatch) or once ``trainer.exit_duration_mins`` have passed.
 
 A signal reaches the ranks at different moments (one may be inside a collective): each rank only notes it, and the
 ranks agree at the end of each step with one all-reduce of two host ints over gloo (the world group on CPU, a gloo
-group beside NCCL on GPU: no device sync). Every rank then stops after the same step, saves, and the run exits 0
-leaving ``stopped_early.json`` in the run directory, which tells launch/slurm.sbatch to requeue the job.
+group beside NCCL on GPU: no device sync, ``benchmarks/stop_check.py`` measures it). Every rank then stops after the
+same step, saves, and the run exits 0. A stop on SIGTERM, SIGUSR1 or the time leaves ``stopped_early.json`` in the
+run directory, which tells launch/slurm.sbatch to requeue the job; one on SIGINT (a person asking it to stop)
+does not.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from thdpack.megatron.host_group import host_group
+
+from . import signals
+
 __all__ = ["EXIT_SIGNAL", "MARKER", "EarlyStop"]
 
 log = logging.getLogger("thdpack")
@@ -33,8 +40,9 @@ MARKER = "stopped_early.json"
 
 
 class EarlyStop:
-    """Notes :data:`EXIT_SIGNAL` from now on and measures the run's minutes (``exit_duration_mins``: stop once
-    this many have passed; None: never). :meth:`close` restores the signal's previous handler."""
+    """Notes the stop signals from now on (those noted since ``python -m thdpack.train`` started count too) and
+    measures the run's minutes (``exit_duration_mins``: stop once this many have passed; None: never).
+    :meth:`close` restores the signals' previous handlers."""
 
     def __init__(self, exit_duration_mins: float | None = None):
         if exit_duration_mins is not None and not float(exit_duration_mins) > 0:
@@ -44,24 +52,21 @@ class EarlyStop:
             )
         self.exit_duration_mins = None if exit_duration_mins is None else float(exit_duration_mins)
         self.started = time.monotonic()
-        self.signalled = False
-        self._group = None
-        self._previous = signal.signal(EXIT_SIGNAL, self._note)
+        signals.install()
 
-    def _note(self, signum, frame) -> None:
-        # Python runs this between bytecodes of the main thread, anywhere in a step: note it, nothing more.
-        self.signalled = True
+    @property
+    def signalled(self) -> bool:
+        return signals.requested() is not None
 
     def agreed(self) -> str | None:
-        """Why every rank stops after this step (the signal, or the time), or None; collective over the world."""
-        if self._group is None:
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        """Why every rank stops after this step (a signal, or the time), or None; collective over the world."""
         late = self.exit_duration_mins is not None and self.minutes() >= self.exit_duration_mins
-        flags = torch.tensor([int(self.signalled), int(late)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        signalled, late = flags.tolist()
-        if signalled:
-            return f"{EXIT_SIGNAL.name} (the scheduler's warning)"
+        flags = torch.tensor([signals.requested() or 0, int(late)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
+        signum, late = flags.tolist()
+        if signum:
+            name = signal.Signals(signum)
+            return f"{name.name} ({signals.REASONS[name]})"
         if late:
             return f"trainer.exit_duration_mins={self.exit_duration_mins:g} passed"
         return None
@@ -69,9 +74,13 @@ class EarlyStop:
     def minutes(self) -> float:
         return (time.monotonic() - self.started) / 60
 
-    def record(self, run_dir: Path, iteration: int, reason: str, ckpt_dir, write: bool) -> None:
-        """Say why the run stops; ``write``: leave the marker (one rank) when a checkpoint was saved to resume
-        from. Collective: no rank exits before the marker is written (a launcher may end the others then)."""
+    def record(
+        self, run_dir: Path, iteration: int, reason: str, ckpt_dir, write: bool, saved: bool = True
+    ) -> None:
+        """Say why the run stops; ``write``: leave the marker (one rank) when there is a checkpoint to resume
+        from, unless a person interrupted the run; ``saved``: whether this step's state was saved (else the
+        checkpoint before it is the one to resume from). Collective: no rank exits before the marker is written
+        (a launcher may end the others then)."""
         if ckpt_dir is None:
             log.warning(
                 "stopping after iteration %d on %s without a checkpoint: checkpoint.dir is not set, so the run "
@@ -81,15 +90,17 @@ class EarlyStop:
             )
         else:
             log.info(
-                "stopping after iteration %d on %s: checkpoint saved to %s; the same command resumes from it",
+                "stopping after iteration %d on %s: %s; the same command resumes from it",
                 iteration,
                 reason,
-                ckpt_dir,
+                f"checkpoint saved to {ckpt_dir}"
+                if saved
+                else f"the latest checkpoint in {ckpt_dir} is older",
             )
-            if write:
+            if write and not reason.startswith(signal.SIGINT.name):
                 marker = {"iteration": iteration, "reason": reason, "checkpoint_dir": str(ckpt_dir)}
                 (Path(run_dir) / MARKER).write_text(json.dumps(marker) + "\n")
         dist.barrier()
 
     def close(self) -> None:
-        signal.signal(EXIT_SIGNAL, self._previous)
+        signals.uninstall()
