@@ -97,12 +97,18 @@ FAMILIES = {
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
         dict(
-            QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+            QWEN3_5,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
         ),
     ),
 }
 DENSE = [f for f in FAMILIES if "moe" not in f]
 MOE = [f for f in FAMILIES if "moe" in f]
+# Families thdpack refuses under context parallelism (Qwen3.5: its recurrence runs over each whole sample).
+NO_CP = ["qwen3_5", "qwen3_5_moe"]
 
 
 def build(family: str, seed: int = 0, **overrides):

@@ -194,7 +194,7 @@ def layer_types(config) -> list[str] | None:
     (gated DeltaNet models: ``linear_attention_freq`` as a list, 1 = ``linear_attention``, 0 =
     ``full_attention``), None where every layer is alike."""
     freq = getattr(config, "linear_attention_freq", None)
-    if not isinstance(freq, (list, tuple)):
+    if freq is None or isinstance(freq, int):
         return None
     return ["linear_attention" if f else "full_attention" for f in freq]
 

@@ -290,6 +290,9 @@ def hybrid_family(
                 f"model.freeze_vision=false trains a vision tower, but {model['pretrained']} is a text checkpoint "
                 "(no vision tower): leave model.freeze_vision at true"
             )
+        # a list, as Megatron tests it (the recipe hands OmegaConf's ListConfig): its checkpoints then keep each
+        # layer under its own name (TransformerBlock.sharded_state_dict, non-homogeneous layers)
+        config.linear_attention_freq = [int(f) for f in config.linear_attention_freq]
         module = build_hybrid_model(
             config,
             layer_types(config),
