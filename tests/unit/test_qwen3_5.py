@@ -152,6 +152,33 @@ def test_the_padded_baseline_with_left_padding_is_transformers(directories):
     assert float((logits[real] - reference[real]).abs().max()) <= TOLERANCE
 
 
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_the_language_model_of_a_multimodal_checkpoint_imports_once_transformers_took_it_out(tmp_path):
+    """The README's way for the Hub's Qwen3_5ForConditionalGeneration checkpoints: transformers'
+    Qwen3_5ForCausalLM.from_pretrained(DIR).save_pretrained(TEXT_DIR), which names the tensors
+    model.language_model.*."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    hf = build("qwen3_5")
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    multimodal = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=vision, image_token_id=299)
+    )
+    multimodal.model.language_model.load_state_dict(hf.model.state_dict())
+    multimodal.lm_head.load_state_dict(hf.lm_head.state_dict())
+    multimodal.save_pretrained(tmp_path / "multimodal")
+    Qwen3_5ForCausalLM.from_pretrained(tmp_path / "multimodal").save_pretrained(tmp_path / "text")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "text" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.language_model.layers.0.linear_attn.A_log" in names
+    batch = padded_batch(300)
+    logits, starts = packed_logits(megatron_model(tmp_path / "text"), batch)
+    for i, ref in enumerate(hf_logits_per_sample(hf, batch)):
+        assert float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max()) <= TOLERANCE
+
+
 # ------------------------------------------------------------------------------------------------ refused
 
 
@@ -188,6 +215,8 @@ def test_tensor_parallelism_must_divide_the_deltanet_key_heads(directories):
     [
         ("qwen3_5", "rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "has rope_type 'yarn'"),
         ("qwen3_5", "hidden_act", "gelu", "is 'gelu': thdpack needs 'silu'"),
+        ("qwen3_5", "attn_output_gate", False, "gates the output of every full-attention layer"),
+        ("qwen3_5_moe", "mlp_only_layers", [1], "experts in every layer"),
         ("qwen3_5_moe", "norm_topk_prob", False, "always renormalises the top-k"),
     ],
 )

@@ -123,6 +123,8 @@ def hybrid_config(r: ConfigReader, model_type: str) -> tuple[dict[str, Any], dic
             False,
             "q/k/v/o biases have no Megatron counterpart without biases on every layer",
         ),
+        # the released configs say true; transformers never reads it and gates every full-attention layer
+        "attn_output_gate": (True, "transformers' Qwen3.5 gates the output of every full-attention layer"),
         "is_encoder_decoder": (False, "decoder-only models only"),
         "quantization_config": (None, "quantized checkpoints are not imported"),
     }.items():
@@ -280,6 +282,7 @@ def hybrid_family(
 
     def build(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime):
         from thdpack.hf.mapping import layer_types
+        from thdpack.hf.vl_checkpoint import LanguageModelReader
         from thdpack.megatron.hybrid_model import build_hybrid_model
         from thdpack.megatron.output_loss import resolve_output_loss, use_output_loss
 
@@ -305,7 +308,9 @@ def hybrid_family(
             share_embeddings_and_output_weights=bool(model["share_embeddings_and_output_weights"]),
         )
         use_output_loss(module, resolve_output_loss(model, runtime.device))
-        loaded = load_pretrained(module, mapping, model)
+        # transformers writes either model.layers.* or, for a language model taken out of the multimodal
+        # checkpoints (Qwen3_5ForCausalLM.from_pretrained(VL_DIR)), model.language_model.layers.*
+        loaded = load_pretrained(module, mapping, model, tensors=LanguageModelReader)
         log.info("loaded %d tensors of %s into this rank's model", loaded, model["pretrained"])
         return module
 

@@ -54,6 +54,13 @@ def moe_config(r: ConfigReader) -> dict[str, Any]:
         )
     # Qwen3.5-MoE has no dense MLP (every layer is a mixture of experts): transformers never reads it
     r.get("intermediate_size")
+    for key, value in (("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+        if r.get(key, value) != value:
+            raise r.error(
+                key,
+                f"is {r.config[key]!r}: transformers' Qwen3.5-MoE has experts in every layer (it never reads this "
+                f"key); thdpack computes that ({value!r})",
+            )
     width = r.require("moe_intermediate_size")
     return {
         "ffn_hidden_size": width,  # TransformerConfig wants one; no dense layer uses it
