@@ -12,10 +12,11 @@ sample:
     o = gated_delta_rule(q, k, v, g, beta)          # q, k L2-normalised; key heads repeated for the value heads
     out = out_proj(rmsnorm(o) * out_norm.weight * silu(z))
 
-The kernels: on CPU, and on CUDA without fla, thdpack's torch ones (:mod:`thdpack.megatron.delta_rule`, exact
-against transformers' reference, no host-device sync); on CUDA with fla installed, fla's
+The kernels: on CPU, in float32 and on CUDA without fla, thdpack's torch ones (:mod:`thdpack.megatron.delta_rule`,
+exact against transformers' reference, no host-device sync); on CUDA in bf16/fp16 with fla installed, fla's
 ``chunk_gated_delta_rule`` over the physical boundaries (``cu_seqlens_padded``: pad after a sample's real tokens
-never reaches them). The convolution is thdpack's masked one on every device.
+never reaches them), given their host copy where fla takes one (``cu_seqlens_cpu``: no sync). The convolution is
+thdpack's masked one on every device.
 
 Parameters (tensor parallelism splits them by key heads; :mod:`thdpack.hf.delta_net_kinds` maps them to
 transformers'): ``in_proj.weight`` (per key head: its queries, keys, values, z, beta and decay rows),
@@ -159,7 +160,7 @@ class GatedDeltaNet(MegatronModule):
         return out, bias
 
     def _packed_rule(self, q, k, v, g, beta, params):
-        if q.is_cuda:
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # fla's kernels take no float32
             fla = fla_chunk_gated_delta_rule()
             if fla is not None:
                 host = getattr(params, "cu_seqlens_q_padded_host", None)
