@@ -1,6 +1,7 @@
 """From a Qwen3.5-MoE Hugging Face directory through packed training under TP2 (gloo, 2 ranks) to a Hugging Face
 directory: ``python -m thdpack.train model=hf model.pretrained=DIR parallel=tp2``, then ``python -m thdpack.export``.
-Transformers loads the export as it loads the source, and the export is what the checkpoint holds bit for bit:
+Transformers loads the export as it loads the source and computes with it what thdpack computes with the
+checkpoint; the export is what the checkpoint holds bit for bit:
 the gated DeltaNet and gated attention tensors, which each TP rank saved in slices, put back in transformers'
 layout here by hand (per key head: queries, keys, values, z, beta, decay; per query head: query then gate)."""
 
@@ -104,3 +105,20 @@ def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
     imported = load_file(str(source / "model.safetensors"))
     moved = max(float((hf[n] - imported[n]).abs().max()) for n in imported)
     assert 0 < moved < 1e-2
+
+
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
+    from tests.hf_models import hf_logits_per_sample, hf_model, padded_batch
+    from thdpack.megatron.batch import BatchConfig, get_batch
+    from thdpack.models.export import load_checkpoint_model
+
+    _, ckpt, out = exported
+    model = load_checkpoint_model(ckpt / "iter_0000002", ckpt / "hf").eval()
+    batch = padded_batch(300)
+    with torch.no_grad():
+        inputs = get_batch(iter([batch]), model.config, BatchConfig())
+        logits = model(inputs.tokens, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
+    starts = inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
+    for i, ref in enumerate(hf_logits_per_sample(hf_model(out), batch)):
+        assert float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max()) <= 1e-5
