@@ -43,10 +43,15 @@ CHUNK = 64  # positions per chunk: transformers' torch_chunk_gated_delta_rule de
 def segment_offsets(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
     """``[total]`` int64: each position's distance from the start of its physical segment (``cu_seqlens_padded``,
     ``[M + 1]`` int32, on the row's device), e.g. ``[0, 3, 5]`` -> ``[0, 1, 2, 0, 1]``."""
+    return _segments(cu_seqlens_padded, total)[1]
+
+
+def _segments(cu_seqlens_padded: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's segment and its offset from the segment's start, ``[total]`` int64 each."""
     bounds = cu_seqlens_padded.to(torch.int64)
     position = torch.arange(total, device=bounds.device)
     segment = torch.searchsorted(bounds[1:], position, right=True).clamp_max(bounds.numel() - 2)
-    return position - bounds[segment]
+    return segment, position - bounds[segment]
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,7 +148,9 @@ def packed_gated_delta_rule(
         cu_seqlens_padded: ``[M + 1]`` physical boundaries (where each sample starts in the row).
         max_seqlen: at least the longest sample (a host int: the packer's ``max_seqlen``).
 
-    Returns ``[T, H, Dv]``; zero on positions past a sample's real tokens (alignment pad).
+    Returns ``[T, H, Dv]``; zero on positions past a sample's real tokens (alignment pad). Its batch holds
+    ``M x max_seqlen`` positions (a row's trailing pad segment is one of the ``M``): more than the row's ``T``
+    when lengths differ much (flash-linear-attention's varlen kernel, used on a GPU where installed, holds ``T``).
     """
     total = v.shape[0]
     device = v.device
@@ -160,11 +167,7 @@ def packed_gated_delta_rule(
 
     o = chunk_gated_delta_rule(*(batched(x) for x in (q, k, v, g, beta)))
     # back to the row: position t of segment s is o[s, t - starts[s]] when that is a real token
-    offsets = segment_offsets(cu_seqlens_padded, total)
-    segment = torch.searchsorted(
-        cu_seqlens_padded[1:].to(torch.int64), torch.arange(total, device=device), right=True
-    )
-    segment = segment.clamp_max(lengths.numel() - 1)
+    segment, offsets = _segments(cu_seqlens_padded, total)
     real = offsets < lengths[segment]
     flat = torch.where(real, segment * max_seqlen + offsets.clamp_max(max_seqlen - 1), 0)
     out = o.flatten(0, 1)[flat]
