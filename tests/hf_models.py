@@ -200,6 +200,34 @@ def hf_logits_per_sample(model, batch) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
+def packed_logits(model, batch) -> tuple[torch.Tensor, list[int]]:
+    """thdpack's logits of ``batch`` packed into one row (``get_batch``, default ``BatchConfig``), ``[1, T, V]``,
+    and the samples' starts in the row."""
+    from thdpack.megatron.batch import BatchConfig, get_batch
+
+    inputs = get_batch(iter([batch]), model.config, BatchConfig())
+    logits = model(
+        inputs.tokens,
+        inputs.position_ids,
+        None,
+        packed_seq_params=inputs.packed_seq_params,
+        padding_mask=inputs.padding_mask,
+    )
+    return logits, inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
+
+
+def max_logit_difference(model, hf, batch) -> float:
+    """The largest ``|thdpack - transformers|`` over the real tokens' logits: ``model`` on ``batch`` packed,
+    ``hf`` on each sample alone (the checkpoint's vocabulary only)."""
+    logits, starts = packed_logits(model, batch)
+    vocab = hf.config.vocab_size
+    return max(
+        float((logits[0, starts[i] : starts[i] + len(ref), :vocab] - ref).abs().max())
+        for i, ref in enumerate(hf_logits_per_sample(hf, batch))
+    )
+
+
+@torch.no_grad()
 def hf_loss(model, batch) -> float:
     """transformers' mean per-token loss on the padded batch (labels -100 on pad; it shifts them itself)."""
     labels = batch["tokens"].masked_fill(batch["attention_mask"] == 0, -100)

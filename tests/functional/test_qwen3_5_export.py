@@ -109,16 +109,9 @@ def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
 
 @pytest.mark.usefixtures("one_rank_megatron")
 def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
-    from tests.hf_models import hf_logits_per_sample, hf_model, padded_batch
-    from thdpack.megatron.batch import BatchConfig, get_batch
+    from tests.hf_models import hf_model, max_logit_difference, padded_batch
     from thdpack.models.export import load_checkpoint_model
 
     _, ckpt, out = exported
     model = load_checkpoint_model(ckpt / "iter_0000002", ckpt / "hf").eval()
-    batch = padded_batch(300)
-    with torch.no_grad():
-        inputs = get_batch(iter([batch]), model.config, BatchConfig())
-        logits = model(inputs.tokens, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
-    starts = inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
-    for i, ref in enumerate(hf_logits_per_sample(hf_model(out), batch)):
-        assert float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max()) <= 1e-5
+    assert max_logit_difference(model, hf_model(out), padded_batch(300)) <= 1e-5

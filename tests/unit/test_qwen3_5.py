@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.hf_models import _COMMON, build, hf_logits_per_sample, megatron_model, padded_batch, save_model
+from tests.hf_models import (
+    _COMMON,
+    build,
+    max_logit_difference,
+    megatron_model,
+    packed_logits,
+    padded_batch,
+    save_model,
+)
 from tests.hf_models import FAMILIES as FAMILIES_OF_TESTS
 from thdpack.megatron.delta_rule import (
     causal_conv1d,
@@ -91,26 +99,11 @@ def directories(tmp_path_factory):
     return {family: save_model(family, root / family) for family in FAMILIES}
 
 
-def packed_logits(model, batch):
-    """thdpack's logits of ``batch`` packed into one row ``[1, T, V]`` and the samples' starts in it."""
-    from thdpack.megatron.batch import BatchConfig, get_batch
-
-    with torch.no_grad():
-        inputs = get_batch(iter([batch]), model.config, BatchConfig())
-        logits = model(inputs.tokens, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
-    return logits, inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
-
-
 @pytest.mark.usefixtures("one_rank_megatron")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_logits_are_transformers_on_each_sample_alone_within_1e_5(family, directories):
     hf = build(family)
-    batch = padded_batch(hf.config.vocab_size)
-    logits, starts = packed_logits(megatron_model(directories[family]), batch)
-    worst = max(
-        float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max())
-        for i, ref in enumerate(hf_logits_per_sample(hf, batch))
-    )
+    worst = max_logit_difference(megatron_model(directories[family]), hf, padded_batch(hf.config.vocab_size))
     print(f"{family}: max |logit difference| {worst:.3g}")
     assert worst <= TOLERANCE
 
@@ -173,10 +166,7 @@ def test_the_language_model_of_a_multimodal_checkpoint_imports_once_transformers
     with safe_open(tmp_path / "text" / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "model.language_model.layers.0.linear_attn.A_log" in names
-    batch = padded_batch(300)
-    logits, starts = packed_logits(megatron_model(tmp_path / "text"), batch)
-    for i, ref in enumerate(hf_logits_per_sample(hf, batch)):
-        assert float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max()) <= TOLERANCE
+    assert max_logit_difference(megatron_model(tmp_path / "text"), hf, padded_batch(300)) <= TOLERANCE
 
 
 # ------------------------------------------------------------------------------------------------ refused
