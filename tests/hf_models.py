@@ -45,6 +45,16 @@ _COMMON = dict(
     num_key_value_heads=2,
     rms_norm_eps=1e-5,
 )
+QWEN3_5 = dict(
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
 
 # name: (transformers config class, model class, config keywords)
 FAMILIES = {
@@ -81,9 +91,24 @@ FAMILIES = {
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False
         ),
     ),
+    # Qwen3.5: a gated DeltaNet layer (2 key heads, each serving 2 value heads) then a gated full-attention layer
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            QWEN3_5,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
 }
 DENSE = [f for f in FAMILIES if "moe" not in f]
 MOE = [f for f in FAMILIES if "moe" in f]
+# Families thdpack refuses under context parallelism (Qwen3.5: its recurrence runs over each whole sample).
+NO_CP = ["qwen3_5", "qwen3_5_moe"]
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -96,9 +121,13 @@ def build(family: str, seed: int = 0, **overrides):
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
+    # Qwen3.5's RMSNorms (but its DeltaNet's output norm) scale by 1 + weight: weights around 0 there
+    centred = config.model_type.startswith("qwen3_5")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and centred and "linear_attn.norm" not in name:
+                p.uniform_(-0.5, 0.5)
+            elif "norm" in name:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15)
@@ -168,6 +197,34 @@ def hf_logits_per_sample(model, batch) -> list[torch.Tensor]:
     """transformers' logits ``[L_i, V]`` of each sample run alone (no padding, no mask)."""
     lengths = batch["attention_mask"].sum(1).tolist()
     return [model(batch["tokens"][i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
+
+
+@torch.no_grad()
+def packed_logits(model, batch) -> tuple[torch.Tensor, list[int]]:
+    """thdpack's logits of ``batch`` packed into one row (``get_batch``, default ``BatchConfig``), ``[1, T, V]``,
+    and the samples' starts in the row."""
+    from thdpack.megatron.batch import BatchConfig, get_batch
+
+    inputs = get_batch(iter([batch]), model.config, BatchConfig())
+    logits = model(
+        inputs.tokens,
+        inputs.position_ids,
+        None,
+        packed_seq_params=inputs.packed_seq_params,
+        padding_mask=inputs.padding_mask,
+    )
+    return logits, inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
+
+
+def max_logit_difference(model, hf, batch) -> float:
+    """The largest ``|thdpack - transformers|`` over the real tokens' logits: ``model`` on ``batch`` packed,
+    ``hf`` on each sample alone (the checkpoint's vocabulary only)."""
+    logits, starts = packed_logits(model, batch)
+    vocab = hf.config.vocab_size
+    return max(
+        float((logits[0, starts[i] : starts[i] + len(ref), :vocab] - ref).abs().max())
+        for i, ref in enumerate(hf_logits_per_sample(hf, batch))
+    )
 
 
 @torch.no_grad()

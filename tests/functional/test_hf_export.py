@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_models import hf_logits_per_sample, hf_model, padded_batch, save_model
+from tests.hf_models import hf_model, max_logit_difference, padded_batch, save_model
 
 from .training import export_runs, finish, start_train, tail
 
@@ -146,15 +146,8 @@ def one_rank_megatron(tmp_path):
 
 @pytest.mark.usefixtures("one_rank_megatron")
 def test_transformers_logits_of_the_export_equal_thdpacks_of_the_checkpoint(exported):
-    from thdpack.megatron.batch import BatchConfig, get_batch
     from thdpack.models.export import load_checkpoint_model
 
     _, ckpt, out = exported
     gpt = load_checkpoint_model(ckpt / "iter_0000002", ckpt / "hf").eval()
-    batch = padded_batch(300)
-    with torch.no_grad():
-        inputs = get_batch(iter([batch]), gpt.config, BatchConfig())
-        logits = gpt(inputs.tokens, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params)
-    starts = inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
-    for i, ref in enumerate(hf_logits_per_sample(hf_model(out), batch)):
-        assert float((logits[0, starts[i] : starts[i] + len(ref)] - ref).abs().max()) <= 1e-4
+    assert max_logit_difference(gpt, hf_model(out), padded_batch(300)) <= 1e-4

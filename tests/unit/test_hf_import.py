@@ -13,9 +13,10 @@ import torch
 from tests.hf_models import (
     FAMILIES,
     build,
-    hf_logits_per_sample,
     hf_loss,
+    max_logit_difference,
     megatron_model,
+    packed_logits,
     padded_batch,
     save_model,
 )
@@ -46,26 +47,7 @@ def packed(model, batch, labels: bool = False):
             output, loss_func = forward_step(iter([batch]), model)
             loss_sum, count, _ = loss_func(output)
             return float(loss_sum / count)
-        from thdpack.megatron.batch import BatchConfig, get_batch
-
-        inputs = get_batch(iter([batch]), model.config, BatchConfig())
-        logits = model(
-            inputs.tokens,
-            inputs.position_ids,
-            None,
-            packed_seq_params=inputs.packed_seq_params,
-            padding_mask=inputs.padding_mask,
-        )
-        return logits, inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
-
-
-def max_logit_difference(model, hf, batch) -> float:
-    logits, starts = packed(model, batch)
-    vocab = hf.config.vocab_size
-    return max(
-        float((logits[0, starts[i] : starts[i] + len(ref), :vocab] - ref).abs().max())
-        for i, ref in enumerate(hf_logits_per_sample(hf, batch))
-    )
+        return packed_logits(model, batch)
 
 
 @pytest.mark.usefixtures("one_rank_megatron")

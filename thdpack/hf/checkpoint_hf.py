@@ -12,7 +12,17 @@ from pathlib import Path
 import torch
 
 from .dist_checkpoint import checkpoint_tensors
-from .mapping import VOCAB, Dims, Rule, active_rules, expected_hf_names, match_name, megatron_to_hf, to_hf
+from .mapping import (
+    VOCAB,
+    Dims,
+    Rule,
+    active_rules,
+    expected_hf_names,
+    layer_types,
+    match_name,
+    megatron_to_hf,
+    to_hf,
+)
 
 __all__ = ["checkpoint_hf_tensors", "gpt_hf_tensors", "hf_state", "run_config"]
 
@@ -42,12 +52,7 @@ def run_config(hf_dir: str | Path):
 
 
 def _dims(config, vocab: int) -> Dims:
-    return Dims(
-        config.num_attention_heads,
-        config.num_query_groups or config.num_attention_heads,
-        config.kv_channels,
-        int(vocab),
-    )
+    return Dims.of(config, vocab)
 
 
 def hf_state(gpt, mapping: Iterable[Rule], vocab: int) -> dict[str, torch.Tensor]:
@@ -68,7 +73,8 @@ def checkpoint_hf_tensors(
     config, tied, _ = run_config(hf_dir)
     rules = active_rules(mapping, tied)
     out = gpt_hf_tensors(checkpoint_tensors(iteration_dir), rules, config, vocab, iteration_dir, hf_dir)
-    missing = sorted(expected_hf_names(rules, config.num_layers, config.num_moe_experts or 0) - set(out))
+    expected = expected_hf_names(rules, config.num_layers, config.num_moe_experts or 0, layer_types(config))
+    missing = sorted(expected - set(out))
     if missing:
         raise ValueError(
             f"{iteration_dir}: the checkpoint gives no tensor for {len(missing)} Hugging Face tensors of this "

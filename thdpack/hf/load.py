@@ -30,6 +30,7 @@ from .mapping import (
     active_rules,
     expected_hf_names,
     hf_shapes,
+    layer_types,
     match_name,
     to_megatron,
 )
@@ -59,7 +60,7 @@ def load_weights(gpt, reader, mapping: Iterable[Rule], vocab: int) -> int:
     tied = bool(gpt.share_embeddings_and_output_weights)
     rules = active_rules(mapping, tied)
     experts = config.num_moe_experts or 0
-    expected = expected_hf_names(rules, config.num_layers, experts)
+    expected = expected_hf_names(rules, config.num_layers, experts, layer_types(config))
     present = reader.names()
     # a tied checkpoint that keeps lm_head anyway: accepted where it equals the embedding (checked below)
     extra_head = tied and "lm_head.weight" in present
@@ -76,12 +77,7 @@ def load_weights(gpt, reader, mapping: Iterable[Rule], vocab: int) -> int:
             )
         )
     par = _parallel()
-    dims = Dims(
-        config.num_attention_heads,
-        config.num_query_groups or config.num_attention_heads,
-        config.kv_channels,
-        int(vocab),
-    )
+    dims = Dims.of(config, vocab)
     layer_offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
     expert_offset = par["ep_rank"] * (experts // par["ep_size"]) if experts else 0
     loaded = 0

@@ -12,7 +12,9 @@ is grouped GEMM's ``experts.linear_fc1.weight{e}``), the HF tensors it is made o
 - ``qkv``: q, k and v fused per query group g as ``[q heads of g..., k_g, v_g]`` (``head_dim`` rows each), the
   groups stacked and split over TP by whole groups (weights and, for Qwen2, biases);
 - ``gated``: ``[gate; up]`` stacked on dim 0, each half split on dim 0 over TP, then stacked again per rank;
-- ``row``: split on dim 1 over TP (``linear_proj``, ``linear_fc2``).
+- ``row``: split on dim 1 over TP (``linear_proj``, ``linear_fc2``);
+- a :class:`Kind` object: a layout of its own (:mod:`thdpack.hf.delta_net_kinds`: gated attention's QKV, gated
+  DeltaNet's projections grouped by key head).
 
 Expert tensors split over the expert-tensor-parallel group; an expert-parallel rank holds its own experts,
 a pipeline stage its own layers. Facts from Megatron-Bridge (``models/{llama,qwen}/*_bridge.py``,
@@ -26,6 +28,7 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,12 +42,14 @@ __all__ = [
     "ROW",
     "VOCAB",
     "Dims",
+    "Kind",
     "Match",
     "Rule",
     "Shard",
     "active_rules",
     "expected_hf_names",
     "hf_shapes",
+    "layer_types",
     "match_name",
     "megatron_to_hf",
     "to_hf",
@@ -59,17 +64,33 @@ HF_LAYER = "model.layers.{layer}."
 HF_EXPERT = HF_LAYER + "mlp.experts.{expert}."
 
 
+class Kind(Protocol):
+    """A layout the kinds named by strings do not cover: the three directions of one kind (hashable, compared by
+    identity or value), with the arguments and results of :func:`hf_shapes`, :func:`to_megatron` and
+    :func:`to_hf`."""
+
+    def hf_shapes(self, local: torch.Size, shard: Shard, dims: Dims) -> list[tuple[int, ...]]: ...
+
+    def to_megatron(
+        self, read: Callable[[int, slice, slice], torch.Tensor], local: torch.Size, shard: Shard, dims: Dims
+    ) -> torch.Tensor: ...
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> list[torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Rule:
     """One Megatron tensor. ``megatron``: its names (alternatives, one per layer spec) with ``{layer}`` and
     ``{expert}`` placeholders; ``hf``: the HF tensors it is made of, in order; ``kind``: how they combine and
     split (module docstring); ``when``: ``always``, or ``tied`` / ``untied`` for a tensor that exists with tied
-    embeddings or without (:func:`active_rules`)."""
+    embeddings or without (:func:`active_rules`); ``layer_type``: in a model whose layers differ, the type of the
+    layers that hold it (config.json's ``layer_types``, :func:`layer_types`), None for every layer."""
 
     megatron: tuple[str, ...]
     hf: tuple[str, ...]
-    kind: str
+    kind: str | Kind
     when: str = "always"
+    layer_type: str | None = None
 
     @property
     def per_expert(self) -> bool:
@@ -85,12 +106,37 @@ def active_rules(rules: Iterable[Rule], tied: bool) -> tuple[Rule, ...]:
 @dataclass(frozen=True)
 class Dims:
     """What the fused layouts need: attention heads, query groups, ``head_dim``, and the checkpoint's
-    vocabulary (rows past it are Megatron's padding)."""
+    vocabulary (rows past it are Megatron's padding); for gated DeltaNet layers, their key and value heads and
+    head sizes (0 in models without them)."""
 
     heads: int
     groups: int
     head_dim: int
     vocab: int
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+
+    @classmethod
+    def of(cls, config, vocab: int) -> Dims:
+        """The dims of a model built from Megatron's ``TransformerConfig`` ``config``; ``vocab``: config.json's
+        ``vocab_size``."""
+        linear = {}
+        if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+            linear = dict(
+                linear_key_heads=config.linear_num_key_heads,
+                linear_value_heads=config.linear_num_value_heads,
+                linear_key_dim=config.linear_key_head_dim,
+                linear_value_dim=config.linear_value_head_dim,
+            )
+        return cls(
+            config.num_attention_heads,
+            config.num_query_groups or config.num_attention_heads,
+            config.kv_channels,
+            int(vocab),
+            **linear,
+        )
 
 
 @dataclass(frozen=True)
@@ -143,11 +189,26 @@ def match_name(
     return None
 
 
-def expected_hf_names(rules: Iterable[Rule], num_layers: int, num_experts: int) -> set[str]:
-    """Every HF tensor name the model built from ``rules`` is made of."""
+def layer_types(config) -> list[str] | None:
+    """Each layer's type in a model built from Megatron's ``TransformerConfig`` ``config`` whose layers differ
+    (gated DeltaNet models: ``linear_attention_freq`` as a list, 1 = ``linear_attention``, 0 =
+    ``full_attention``), None where every layer is alike."""
+    freq = getattr(config, "linear_attention_freq", None)
+    if freq is None or isinstance(freq, int):
+        return None
+    return ["linear_attention" if f else "full_attention" for f in freq]
+
+
+def expected_hf_names(
+    rules: Iterable[Rule], num_layers: int, num_experts: int, types: list[str] | None = None
+) -> set[str]:
+    """Every HF tensor name the model built from ``rules`` is made of; ``types``: each layer's type where the
+    layers differ (:func:`layer_types`)."""
     names = set()
     for rule in rules:
         layers = range(num_layers) if "{layer}" in rule.megatron[0] else [None]
+        if rule.layer_type is not None and types is not None and layers != [None]:
+            layers = [i for i in layers if types[i] == rule.layer_type]
         experts = range(num_experts) if rule.per_expert else [None]
         names.update(n.format(layer=i, expert=e) for n in rule.hf for i in layers for e in experts)
     return names
@@ -160,6 +221,8 @@ def expected_hf_names(rules: Iterable[Rule], num_layers: int, num_experts: int) 
 def hf_shapes(kind: str, local: torch.Size, shard: Shard, dims: Dims) -> list[tuple[int, ...]]:
     """The full shapes the HF tensors of a ``kind`` rule must have, given the shape of this rank's Megatron
     tensor (``local``) and its slice."""
+    if not isinstance(kind, str):
+        return kind.hf_shapes(local, shard, dims)
     rest = tuple(local[1:])
     if kind == REPLICATED:
         return [tuple(local)]
@@ -183,6 +246,8 @@ def to_megatron(
 
     ``read(i, rows, cols)``: rows and columns of the rule's i-th HF tensor (``cols`` is ``slice(None)`` except
     for ``row`` tensors); only these are read from the file."""
+    if not isinstance(kind, str):
+        return kind.to_megatron(read, local, shard, dims)
     every = slice(None)
     if kind == REPLICATED:
         return read(0, every, every)
@@ -224,6 +289,8 @@ def to_megatron(
 def to_hf(kind: str, tensor: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
     """The HF tensors of a ``kind`` rule from the whole Megatron tensor (no tensor parallelism), in the rule's
     order; views where the layout allows."""
+    if not isinstance(kind, str):
+        return kind.to_hf(tensor, dims)
     if kind in (REPLICATED, ROW):
         return [tensor]
     if kind == VOCAB:

@@ -28,11 +28,12 @@ log = logging.getLogger("thdpack")
 MODEL_KEYS = (*gpt.MODEL_KEYS, "pretrained", "rope_scaling", "freeze_vision", "accept_unknown_config_keys")
 
 
-def load_pretrained(module, mapping: Iterable[Rule], model: Mapping) -> int:
+def load_pretrained(module, mapping: Iterable[Rule], model: Mapping, tensors=None) -> int:
     """Load ``model["pretrained"]``'s weights (``model``: the recipe's model group) into ``module`` (this rank's
     chunk, or a list of chunks; DDP / Float16Module wrappers are looked through) by ``mapping``, set its RoPE
     frequencies (the group's ``rotary_base`` and ``rope_scaling``) and mask its padded vocabulary rows. Returns
-    the number of tensors loaded on this rank."""
+    the number of tensors loaded on this rank. ``tensors``: ``reader -> reader``, the checkpoint's tensors as the
+    mapping names them (e.g. :class:`~thdpack.hf.vl_checkpoint.LanguageModelReader`); None: as stored."""
     from thdpack.hf.load import load_weights, never_predict_padding, set_rotary_frequencies
     from thdpack.megatron.unwrap import unwrap_model
 
@@ -41,7 +42,8 @@ def load_pretrained(module, mapping: Iterable[Rule], model: Mapping) -> int:
     loaded = 0
     for chunk in module if isinstance(module, (list, tuple)) else [module]:
         chunk = unwrap_model(chunk)
-        loaded += load_weights(chunk, checkpoint.tensors(), mapping, vocab)
+        reader = checkpoint.tensors()
+        loaded += load_weights(chunk, reader if tensors is None else tensors(reader), mapping, vocab)
         set_rotary_frequencies(chunk, model["rotary_base"], model.get("rope_scaling"))
         never_predict_padding(chunk, vocab)
     return loaded

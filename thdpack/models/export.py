@@ -22,6 +22,7 @@ unexpected keys.
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
     from thdpack.hf.checkpoint_hf import run_config
     from thdpack.hf.directory import InMemoryTensors
     from thdpack.hf.load import load_weights, never_predict_padding, set_rotary_frequencies
+    from thdpack.hf.mapping import layer_types
     from thdpack.hf.vl_checkpoint import has_vision
     from thdpack.megatron.cpu import initialize_model_parallel_cpu
     from thdpack.megatron.models import build_gpt_model
@@ -74,14 +76,24 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
         start_one_process_group()
     if not ps.model_parallel_is_initialized():
         initialize_model_parallel_cpu()
-    gpt = build_gpt_model(
+    build, extra = build_gpt_model, {}
+    types = layer_types(config)
+    if types is not None:  # layers of two kinds (Qwen3.5: gated DeltaNet and full attention)
+        from thdpack.megatron.hybrid_model import build_hybrid_model
+
+        build, extra = (
+            functools.partial(build_hybrid_model, layer_types=types),
+            {"rotary_percent": model["rotary_percent"]},
+        )
+    gpt = build(
         config,
-        int(model["vocab_size"]),
-        1,  # RoPE lengths are computed per call; no weight depends on it
+        vocab_size=int(model["vocab_size"]),
+        max_sequence_length=1,  # RoPE lengths are computed per call; no weight depends on it
         backend="torch",
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=tied,
+        **extra,
     )
     vocab = int(kept.config["vocab_size"])
     load_weights(gpt, InMemoryTensors(tensors, Path(iteration_dir)), family.mapping, vocab)
