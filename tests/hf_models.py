@@ -104,6 +104,33 @@ FAMILIES = {
             shared_expert_intermediate_size=48,
         ),
     ),
+    # Gemma 3 4B's text shape at tiny size: grouped queries, linear scaling of the global RoPE, a window that
+    # bites within these samples (4 tokens), a query scale of its own
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+    ),
+    # Gemma 3 1B's: one key/value head (no tensor parallelism: Megatron splits whole query groups), no scaling
+    "gemma3_1b": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            head_dim=24,
+            query_pre_attn_scalar=24,
+            sliding_window=3,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
+    ),
 }
 DENSE = [f for f in FAMILIES if "moe" not in f]
 MOE = [f for f in FAMILIES if "moe" in f]

@@ -152,11 +152,14 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def decoder_group(r: ConfigReader, name: str, config: dict[str, Any], tp: int) -> dict[str, Any]:
-    """The recipe's model group of a Llama-like decoder with Megatron settings ``config``: RoPE (:func:`rope`),
-    the vocabulary (the checkpoint's, rounded up to a multiple of ``tp`` where ``tp`` does not divide it: the
-    padded rows are never predicted, :mod:`thdpack.hf.load`), tied embeddings."""
-    theta, scaling = rope(r)
+def decoder_group(
+    r: ConfigReader, name: str, config: dict[str, Any], tp: int, rotary: tuple[float, dict | None] | None = None
+) -> dict[str, Any]:
+    """The recipe's model group of a Llama-like decoder with Megatron settings ``config``: RoPE (``rotary``, a
+    family's own ``(theta, scaling)``, or :func:`rope`), the vocabulary (the checkpoint's, rounded up to a multiple
+    of ``tp`` where ``tp`` does not divide it: the padded rows are never predicted, :mod:`thdpack.hf.load`), tied
+    embeddings."""
+    theta, scaling = rotary if rotary is not None else rope(r)
     tied = r.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise r.error("tie_word_embeddings", f"is {tied!r}: true or false expected")
