@@ -61,7 +61,9 @@ def rope_parameters(r: ConfigReader, key: str, params: Any, types: tuple[str, ..
         raise r.error(key, f"has rope_theta {theta!r}: a positive number expected")
     extra = sorted(set(params) - {"rope_type", "type", "rope_theta"} - ROPE_TYPE_KEYS[rope_type])
     if extra:
-        raise r.error(key, f"has {extra} with rope_type '{rope_type}': thdpack does not know what they change")
+        raise r.error(
+            key, f"has {extra} with rope_type '{rope_type}': thdpack does not know what they change"
+        )
     missing = [k for k in _REQUIRED[rope_type] if params.get(k) is None]
     if missing:
         raise r.error(key, f"has rope_type '{rope_type}' without {missing}")
@@ -83,7 +85,9 @@ def inverse_frequencies(params: Mapping[str, Any], head_dim: int) -> tuple[torch
     return _yarn(params, base, dim, exponents)
 
 
-def _yarn(params: Mapping[str, Any], base: float, dim: int, exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _yarn(
+    params: Mapping[str, Any], base: float, dim: int, exponents: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     factor = params["factor"]
     original = params["original_max_position_embeddings"]
 

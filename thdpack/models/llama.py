@@ -153,7 +153,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def decoder_group(
-    r: ConfigReader, name: str, config: dict[str, Any], tp: int, rotary: tuple[float, dict | None] | None = None
+    r: ConfigReader,
+    name: str,
+    config: dict[str, Any],
+    tp: int,
+    rotary: tuple[float, dict | None] | None = None,
 ) -> dict[str, Any]:
     """The recipe's model group of a Llama-like decoder with Megatron settings ``config``: RoPE (``rotary``, a
     family's own ``(theta, scaling)``, or :func:`rope`), the vocabulary (the checkpoint's, rounded up to a multiple
