@@ -119,7 +119,7 @@ def test_llama3_scaling_with_its_own_values_gives_transformers_frequencies(hf_di
 
 
 @pytest.mark.usefixtures("one_rank_megatron")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])  # fused experts: test_gpt_oss.py
 def test_import_then_export_gives_back_every_tensor_bitwise(family, hf_dirs):
     from safetensors.torch import load_file
 

@@ -64,9 +64,11 @@ def layer_types(r: ConfigReader, num_layers: int) -> list[str]:
     """Each layer's attention kind: ``layer_types``, or transformers' rule from ``sliding_window_pattern``
     (default 6: every 6th layer full) where the file has none."""
     types = r.get("layer_types")
-    r.get("_sliding_window_pattern")  # written by transformers 5, never read back: layer_types decides
+    # transformers reads sliding_window_pattern only without layer_types (and writes it back beside them), and
+    # never reads the _sliding_window_pattern it writes
+    pattern = r.get("sliding_window_pattern", 6)
+    r.get("_sliding_window_pattern")
     if types is None:
-        pattern = r.get("sliding_window_pattern", 6)
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
             raise r.error("sliding_window_pattern", f"is {pattern!r}: a positive integer expected")
         return [ATTENTION_KINDS[(i + 1) % pattern == 0] for i in range(num_layers)]
@@ -105,15 +107,19 @@ def _refuse_unless_none(r: ConfigReader, key: str, rule: str) -> None:
 
 
 def model_group(r: ConfigReader, *, seq_length: int, tp: int) -> dict[str, Any]:
-    """Gemma 3's model group (:class:`~thdpack.models.family.ModelGroup`)."""
+    """Gemma 3's model group (:class:`~thdpack.models.family.ModelGroup`). Where ``config.json`` lacks a key,
+    ``Gemma3TextConfig``'s default holds (tied embeddings); one whose default differs from Llama's rule
+    (``head_dim``, ``num_key_value_heads``) must be given."""
+    for key in ("head_dim", "num_key_value_heads"):
+        r.require(key)
     config = llama.decoder_config(r, "gemma3_text")
     activation = r.get("hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
         raise r.error(
             "hidden_activation", f"is {activation!r}: thdpack imports Gemma 3's gelu_pytorch_tanh (tanh GELU)"
         )
-    scalar = r.require("query_pre_attn_scalar", float)
-    if scalar <= 0:
+    scalar = r.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
         raise r.error("query_pre_attn_scalar", f"is {scalar!r}: a positive number expected")
     for key, rule in (
         (
@@ -135,7 +141,7 @@ def model_group(r: ConfigReader, *, seq_length: int, tp: int) -> dict[str, Any]:
         layernorm_zero_centered_gamma=True,
         softmax_scale=float(scalar) ** -0.5,
     )
-    window = r.get("sliding_window")
+    window = r.get("sliding_window", 4096)
     if "sliding_attention" in types:
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
             raise r.error("sliding_window", f"is {window!r}: the sliding layers need a positive window")
@@ -148,7 +154,11 @@ def model_group(r: ConfigReader, *, seq_length: int, tp: int) -> dict[str, Any]:
     full, local = rope["full_attention"], rope["sliding_attention"]
     scaling = full if full["rope_type"] != "default" else None
     group = llama.decoder_group(r, "gemma3", config, tp, rotary=(float(full["rope_theta"]), scaling))
+    tied = r.get("tie_word_embeddings", True)
+    if not isinstance(tied, bool):
+        raise r.error("tie_word_embeddings", f"is {tied!r}: true or false expected")
     group.update(
+        share_embeddings_and_output_weights=tied,
         local_rotary_base=float(local["rope_theta"]),
         local_rope_scaling=local if local["rope_type"] != "default" else None,
     )

@@ -104,9 +104,11 @@ FIXED_VALUES = {
 }
 
 
-def decoder_config(r: ConfigReader, model_type: str) -> dict[str, Any]:
+def decoder_config(
+    r: ConfigReader, model_type: str, fixed: dict[str, tuple[Any, str]] = FIXED_VALUES
+) -> dict[str, Any]:
     """The Megatron ``TransformerConfig`` settings of a Llama-like decoder (``model_type``: what
-    ``config.json`` must say), its fixed values checked (:data:`FIXED_VALUES`)."""
+    ``config.json`` must say), its ``fixed`` values checked (:data:`FIXED_VALUES`, or a family's own)."""
     found = r.get("model_type")
     if found != model_type:
         architecture = (r.config.get("architectures") or ["?"])[0]
@@ -139,7 +141,7 @@ def decoder_config(r: ConfigReader, model_type: str) -> dict[str, Any]:
         "attention_dropout": float(r.get("attention_dropout") or 0.0),
         "init_method_std": float(r.get("initializer_range") or 0.02),
     }
-    for key, (value, rule) in FIXED_VALUES.items():
+    for key, (value, rule) in fixed.items():
         given = r.get(key)
         if given is not None and given != value and not _same(given, value):
             raise r.error(key, f"is {given!r}: thdpack needs {value!r} ({rule})")
