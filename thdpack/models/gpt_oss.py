@@ -374,6 +374,16 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
+def gpt_oss_layers(spec, backend: str):
+    """Megatron's layer spec; on the torch backend the experts' output projection that lets megatron-core add
+    their biases during training (:mod:`thdpack.megatron.expert_bias`)."""
+    if backend == "te":
+        return spec
+    from thdpack.megatron.expert_bias import use_expert_row_parallel_linear
+
+    return use_expert_row_parallel_linear(spec)
+
+
 def check(recipe: Mapping) -> None:
     """No tensor parallelism (megatron-core 0.16.1 takes expert biases with expert tensor parallelism 1 only,
     ``TransformerConfig.__post_init__``; thdpack splits experts over the tensor-parallel group); sinks and windows
@@ -396,5 +406,5 @@ FAMILY = decoder_family(
     ("GptOssForCausalLM",),
     model_group,
     MAPPING,
-    Extras(setup=setup, tensors=experts_reader, written=fuse_experts, check=check),
+    Extras(layers=gpt_oss_layers, setup=setup, tensors=experts_reader, written=fuse_experts, check=check),
 )
