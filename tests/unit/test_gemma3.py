@@ -146,3 +146,21 @@ def test_the_export_is_the_checkpoint_bit_for_bit_and_transformers_computes_thdp
     from tests.unit.test_hf_import import max_logit_difference
 
     assert max_logit_difference(gpt, hf_model(tmp_path / "out"), batch) <= 1e-5
+
+
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_a_training_step_reaches_the_post_norms_and_the_scaled_embedding(source):
+    from thdpack.megatron.step import forward_step
+
+    model = megatron_model(source).train()
+    output, loss_func = forward_step(iter([padded_batch(300)]), model)
+    loss_sum, count, _ = loss_func(output)
+    (loss_sum / count).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for part in (
+        "linear_proj.post_layernorm.weight",
+        "linear_fc2.post_layernorm.weight",
+        "word_embeddings.weight",
+    ):
+        named = [n for n in grads if n.endswith(part)]
+        assert named and all(grads[n] is not None and grads[n].abs().sum() > 0 for n in named), part

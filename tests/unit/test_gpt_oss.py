@@ -246,7 +246,9 @@ def test_fused_experts_of_another_shape_stop_the_import_naming_the_tensor(source
 
     shutil.copytree(source, tmp_path / "bad")
     tensors = load_file(str(tmp_path / "bad" / "model.safetensors"))
-    tensors["model.layers.1.mlp.experts.down_proj"] = tensors["model.layers.1.mlp.experts.down_proj"][:, :16].clone()
+    tensors["model.layers.1.mlp.experts.down_proj"] = tensors["model.layers.1.mlp.experts.down_proj"][
+        :, :16
+    ].clone()
     save_file(tensors, str(tmp_path / "bad" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(
         ValueError, match=r"'model.layers.1.mlp.experts.down_proj' is \[4, 16, 64\] but config.json"
@@ -277,3 +279,23 @@ def test_sinks_under_te_context_parallelism_need_cp_comm_type_a2a():
         check(recipe("te", cp=2, cp_comm_type="all_gather"))
     check(recipe("te", cp=2, cp_comm_type="a2a"))
     check(recipe("torch", cp=2))  # thdpack's torch attention computes sinks under any CP
+
+
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_a_training_step_reaches_the_sinks_and_every_bias(source):
+    from thdpack.megatron.step import forward_step
+
+    model = megatron_model(source).train()
+    output, loss_func = forward_step(iter([padded_batch(300)]), model)
+    loss_sum, count, _ = loss_func(output)
+    (loss_sum / count).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for part in (
+        "core_attention.softmax_offset",
+        "router.bias",
+        "linear_fc1.bias",
+        "linear_fc2.bias",
+        "qkv.bias",
+    ):
+        named = [n for n in grads if n.endswith(part)]
+        assert named and all(grads[n] is not None and grads[n].abs().sum() > 0 for n in named), part
