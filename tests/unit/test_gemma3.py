@@ -149,6 +149,15 @@ def test_the_export_is_the_checkpoint_bit_for_bit_and_transformers_computes_thdp
 
 
 @pytest.mark.usefixtures("one_rank_megatron")
+def test_the_plain_gpt_rebuild_of_a_checkpoint_refuses_gemmas_own_layers(source, tmp_path):
+    from thdpack.models.export import load_checkpoint_model
+
+    iteration = save_run_checkpoint(megatron_model(source), source, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"'gemma3' family's layers hold .*post_layernorm.* plain GPTModel"):
+        load_checkpoint_model(iteration, tmp_path / "ckpt" / "hf")
+
+
+@pytest.mark.usefixtures("one_rank_megatron")
 def test_a_training_step_reaches_the_post_norms_and_the_scaled_embedding(source):
     from thdpack.megatron.step import forward_step
 
