@@ -334,3 +334,24 @@ def save_run_checkpoint(gpt, source: str | Path, root: str | Path, precision: st
     keep_with_checkpoint(root, group, precision)
     (Path(root) / "latest_checkpointed_iteration.txt").write_text("1")
     return iteration
+
+
+def training_step_grads(model, batch) -> dict[str, torch.Tensor | None]:
+    """The gradients of every parameter of ``model`` after thdpack's packed forward step on ``batch`` and a
+    backward of its per-token loss (training mode)."""
+    from thdpack.megatron.step import forward_step
+
+    model.train()
+    output, loss_func = forward_step(iter([batch]), model)
+    loss_sum, count, _ = loss_func(output)
+    (loss_sum / count).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def write_config(directory: Path, config: dict):
+    """``config`` written as ``directory/config.json``, opened as an :class:`~thdpack.hf.checkpoint.HFCheckpoint`."""
+    from thdpack.hf.checkpoint import HFCheckpoint
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return HFCheckpoint.open(directory)

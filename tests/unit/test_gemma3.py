@@ -5,8 +5,6 @@ tiny configs, the Hub's transformers 4 config, what is refused, and the export t
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,6 +16,8 @@ from tests.hf_models import (
     padded_batch,
     save_model,
     save_run_checkpoint,
+    training_step_grads,
+    write_config,
 )
 from thdpack.hf.checkpoint import HFCheckpoint, HFConfigError
 from thdpack.models import model_group
@@ -40,12 +40,6 @@ HUB_1B = {
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return save_model("gemma3", tmp_path_factory.mktemp("gemma3") / "source")
-
-
-def written(directory, config) -> HFCheckpoint:
-    directory.mkdir(exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return HFCheckpoint.open(directory)
 
 
 @pytest.mark.usefixtures("one_rank_megatron")
@@ -74,7 +68,7 @@ def test_what_the_tiny_config_exercises_changes_transformers_logits(change):
 def test_the_hub_1b_config_of_transformers_4_imports_as_transformers_5_writes_it(tmp_path):
     from transformers import AutoConfig
 
-    hub = written(tmp_path / "hub", HUB_1B)
+    hub = write_config(tmp_path / "hub", HUB_1B)
     AutoConfig.from_pretrained(tmp_path / "hub").save_pretrained(tmp_path / "saved")
     group = model_group(hub, seq_length=64)
     assert group == model_group(HFCheckpoint.open(tmp_path / "saved"), seq_length=64)
@@ -96,7 +90,7 @@ def test_the_hub_1b_config_of_transformers_4_imports_as_transformers_5_writes_it
 )
 def test_what_thdpack_cannot_compute_is_refused_naming_the_key(tmp_path, key, value, match):
     with pytest.raises(HFConfigError, match=rf"config.json:\d+: key '{key}' {match}"):
-        model_group(written(tmp_path, {**HUB_1B, key: value}), seq_length=64)
+        model_group(write_config(tmp_path, {**HUB_1B, key: value}), seq_length=64)
 
 
 def test_sliding_windows_under_te_context_parallelism_need_a_cp_comm_type_te_has():
@@ -159,13 +153,7 @@ def test_the_plain_gpt_rebuild_of_a_checkpoint_refuses_gemmas_own_layers(source,
 
 @pytest.mark.usefixtures("one_rank_megatron")
 def test_a_training_step_reaches_the_post_norms_and_the_scaled_embedding(source):
-    from thdpack.megatron.step import forward_step
-
-    model = megatron_model(source).train()
-    output, loss_func = forward_step(iter([padded_batch(300)]), model)
-    loss_sum, count, _ = loss_func(output)
-    (loss_sum / count).backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = training_step_grads(megatron_model(source), padded_batch(300))
     for part in (
         "linear_proj.post_layernorm.weight",
         "linear_fc2.post_layernorm.weight",

@@ -19,6 +19,8 @@ from tests.hf_models import (
     padded_batch,
     save_model,
     save_run_checkpoint,
+    training_step_grads,
+    write_config,
 )
 from thdpack.hf.checkpoint import HFCheckpoint, HFConfigError
 from thdpack.models import model_group
@@ -84,12 +86,6 @@ def quantize_experts(source, target):
 @pytest.fixture(scope="module")
 def mxfp4(source, tmp_path_factory):
     return quantize_experts(source, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "source")
-
-
-def written(directory, config) -> HFCheckpoint:
-    directory.mkdir(exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return HFCheckpoint.open(directory)
 
 
 def test_mxfp4_dequantises_as_transformers_bit_for_bit():
@@ -193,7 +189,7 @@ def test_an_mxfp4_checkpoint_exports_unquantised_in_bf16_and_transformers_loads_
 
 
 def test_the_hubs_mxfp4_config_imports(tmp_path):
-    group = model_group(written(tmp_path, HUB), seq_length=64)
+    group = model_group(write_config(tmp_path, HUB), seq_length=64)
     config = group["config"]
     assert (config["num_moe_experts"], config["moe_router_topk"], config["moe_ffn_hidden_size"]) == (
         EXPERTS,
@@ -234,7 +230,7 @@ def test_the_hubs_mxfp4_config_imports(tmp_path):
 )
 def test_what_thdpack_cannot_compute_is_refused_naming_the_key(tmp_path, key, value, match):
     with pytest.raises(HFConfigError, match=rf"config.json:\d+: key '{key}' {match}"):
-        model_group(written(tmp_path, {**HUB, key: value}), seq_length=64)
+        model_group(write_config(tmp_path, {**HUB, key: value}), seq_length=64)
 
 
 def test_fused_experts_of_another_shape_stop_the_import_naming_the_tensor(source, tmp_path):
@@ -283,13 +279,7 @@ def test_sinks_under_te_context_parallelism_need_cp_comm_type_a2a():
 
 @pytest.mark.usefixtures("one_rank_megatron")
 def test_a_training_step_reaches_the_sinks_and_every_bias(source):
-    from thdpack.megatron.step import forward_step
-
-    model = megatron_model(source).train()
-    output, loss_func = forward_step(iter([padded_batch(300)]), model)
-    loss_sum, count, _ = loss_func(output)
-    (loss_sum / count).backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = training_step_grads(megatron_model(source), padded_batch(300))
     for part in (
         "core_attention.softmax_offset",
         "router.bias",
