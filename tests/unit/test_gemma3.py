@@ -137,7 +137,7 @@ def test_the_export_is_the_checkpoint_bit_for_bit_and_transformers_computes_thdp
     state = hf_state(gpt, MAPPING, 300)
     assert [n for n in state if not torch.equal(state[n], exported[n])] == []
     batch = padded_batch(300)
-    from tests.unit.test_hf_import import max_logit_difference
+    from tests.hf_models import max_logit_difference
 
     assert max_logit_difference(gpt, hf_model(tmp_path / "out"), batch) <= 1e-5
 

@@ -137,7 +137,7 @@ def test_the_sinks_change_transformers_logits():
 
 @pytest.mark.usefixtures("one_rank_megatron")
 def test_mxfp4_experts_load_as_transformers_dequantises_them_and_give_its_logits(mxfp4):
-    from tests.unit.test_hf_import import max_logit_difference
+    from tests.hf_models import max_logit_difference
     from thdpack.hf.checkpoint_hf import hf_state
     from thdpack.models.gpt_oss import MAPPING, fuse_experts
 

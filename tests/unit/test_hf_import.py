@@ -24,7 +24,7 @@ from tests.hf_models import (
 pytestmark = [pytest.mark.cpu_only]
 
 LOGIT_TOLERANCE = 1e-4
-# issue 39's families are held to its target
+# Gemma 3 and gpt-oss are held to issue 39's target
 TOLERANCE = dict.fromkeys(("gemma3", "gemma3_1b", "gpt_oss"), 1e-5)
 
 

@@ -50,7 +50,7 @@ from thdpack.megatron.step import make_forward_step  # noqa: E402
 
 # Not under tensor parallelism: Gemma 3 1B's single key/value head (Megatron splits whole query groups), gpt-oss's
 # expert biases (megatron-core takes them with expert tensor parallelism 1 only; thdpack's is TP's). Both refused at
-# start-up (tests/unit/test_gemma3_gpt_oss.py).
+# start-up (tests/unit/test_gemma3.py, test_gpt_oss.py).
 TP_FAMILIES = [f for f in DENSE + MOE if f not in ("gemma3_1b", "gpt_oss")]
 LAYOUTS = {
     # name: (parallel sizes, sequence parallel, families)
