@@ -249,7 +249,7 @@ def test_fused_experts_of_another_shape_stop_the_import_naming_the_tensor(source
     with pytest.raises(
         ValueError, match=r"'model.layers.1.mlp.experts.down_proj' is \[4, 16, 64\] but config.json"
     ):
-        experts_reader(HFCheckpoint.open(tmp_path / "bad"))
+        experts_reader(HFCheckpoint.open(tmp_path / "bad").tensors())
 
 
 def recipe(backend="torch", tp=1, cp=1, **config):

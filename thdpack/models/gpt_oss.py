@@ -323,10 +323,11 @@ class ExpertsReader:
         return f"{self.reader.where(self._fused(layer, part))} (expert {m['expert']})"
 
 
-def experts_reader(checkpoint: HFCheckpoint) -> ExpertsReader:
-    config = checkpoint.config
+def experts_reader(reader) -> ExpertsReader:
+    """The checkpoint's tensors (``reader``, of its directory) as :class:`ExpertsReader` shows them."""
+    config = HFCheckpoint.open(reader.directory).config
     return ExpertsReader(
-        checkpoint.tensors(),
+        reader,
         int(config["num_local_experts"]),
         int(config["hidden_size"]),
         int(config["intermediate_size"]),
