@@ -56,8 +56,9 @@ def source(tmp_path_factory):
 
 def quantize_experts(source, target):
     """``source`` with every layer's expert weights replaced by random MXFP4 codes in transformers' layout
-    (``*_blocks`` uint8 ``[EXPERTS, out, in / 32, 16]``, ``*_scales`` uint8 ``[EXPERTS, out, in / 32]``, E8M0 around 2**-5)
-    and ``quantization_config`` mxfp4, as the released checkpoints are stored."""
+    (``*_blocks`` uint8 ``[EXPERTS, out, in / 32, 16]``, ``*_scales`` uint8 ``[EXPERTS, out, in / 32]``: powers of two
+    2**-7 to 2**-5, weights up to 0.19 as the others) and ``quantization_config`` mxfp4, as the released checkpoints
+    are stored."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -74,7 +75,7 @@ def quantize_experts(source, target):
                 0, 256, (*shape, 16), dtype=torch.uint8, generator=g
             )
             tensors[prefix + part + "_scales"] = torch.randint(
-                122, 126, shape, dtype=torch.uint8, generator=g
+                120, 123, shape, dtype=torch.uint8, generator=g
             )
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((target / "config.json").read_text())
