@@ -204,10 +204,11 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     from thdpack.hf.checkpoint import HFCheckpoint
     from thdpack.hf.checkpoint_hf import hf_state
     from thdpack.hf.directory import keep_with_checkpoint
+    from thdpack.hf.gpt_oss_experts import fuse_experts
     from thdpack.megatron.checkpoint import save_checkpoint
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.unwrap import unwrap_model
-    from thdpack.models import family_of, gpt_oss
+    from thdpack.models import family_of
     from thdpack.training.loop import recipes_dir, setup_run, train_step
 
     cuda = torch.cuda.is_available()
@@ -272,7 +273,7 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     mapping, vocab = family.mapping, int(checkpoint.config["vocab_size"])
     trained = {k: v.detach().cpu() for k, v in hf_state(unwrap_model(run.model), mapping, vocab).items()}
     if family.name == "gpt_oss":  # its checkpoints hold each layer's experts fused
-        trained = gpt_oss.fuse_experts(trained)
+        trained = fuse_experts(trained)
     rope = {k: run.cfg.model.get(k) for k in ("rotary_base", "rope_scaling", "local_rotary_base")}
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del run

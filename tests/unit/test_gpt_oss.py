@@ -140,7 +140,8 @@ def test_the_sinks_change_transformers_logits():
 def test_mxfp4_experts_load_as_transformers_dequantises_them_and_give_its_logits(mxfp4):
     from tests.hf_models import max_logit_difference
     from thdpack.hf.checkpoint_hf import hf_state
-    from thdpack.models.gpt_oss import MAPPING, fuse_experts
+    from thdpack.hf.gpt_oss_experts import fuse_experts
+    from thdpack.models.gpt_oss import MAPPING
 
     hf = hf_model(mxfp4)  # transformers dequantises MXFP4 on a CPU
     model = megatron_model(mxfp4)
@@ -156,7 +157,8 @@ def test_import_then_export_gives_back_every_fused_tensor_bitwise(source):
     from safetensors.torch import load_file
 
     from thdpack.hf.checkpoint_hf import hf_state
-    from thdpack.models.gpt_oss import MAPPING, fuse_experts
+    from thdpack.hf.gpt_oss_experts import fuse_experts
+    from thdpack.models.gpt_oss import MAPPING
 
     original = load_file(str(source / "model.safetensors"))
     exported = fuse_experts(hf_state(megatron_model(source), MAPPING, 300))
@@ -239,7 +241,7 @@ def test_fused_experts_of_another_shape_stop_the_import_naming_the_tensor(source
 
     from safetensors.torch import load_file, save_file
 
-    from thdpack.models.gpt_oss import experts_reader
+    from thdpack.hf.gpt_oss_experts import experts_reader
 
     shutil.copytree(source, tmp_path / "bad")
     tensors = load_file(str(tmp_path / "bad" / "model.safetensors"))
