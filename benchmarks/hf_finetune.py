@@ -90,6 +90,28 @@ SHAPES = {
                 norm_topk_prob=True,
             ),
         ),
+        # Gemma 3 (4B+ text shape, tiny): a sliding layer (window 64) then a global one with linear RoPE scaling
+        "gemma3_tiny": (
+            "Gemma3ForCausalLM",
+            "Gemma3TextConfig",
+            dict(
+                vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"], rope_scaling={"rope_type": "linear", "factor": 8.0},
+            ),
+        ),
+        # gpt-oss (tiny): sinks, a sliding layer (window 64) then a full one, YaRN biting at these lengths, MoE
+        "gpt_oss_tiny": (
+            "GptOssForCausalLM",
+            "GptOssConfig",
+            dict(
+                vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 128},
+            ),
+        ),
     },
 }  # fmt: skip
 
@@ -181,18 +203,18 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
 
     from thdpack.hf.checkpoint import HFCheckpoint
     from thdpack.hf.checkpoint_hf import hf_state
-    from thdpack.hf.config_keys import ConfigReader
     from thdpack.hf.directory import keep_with_checkpoint
+    from thdpack.hf.gpt_oss_experts import fuse_experts
     from thdpack.megatron.checkpoint import save_checkpoint
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.unwrap import unwrap_model
-    from thdpack.models import family_of, llama
+    from thdpack.models import family_of
     from thdpack.training.loop import recipes_dir, setup_run, train_step
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     model_class, config_class, kwargs = spec
-    moe = "num_experts" in kwargs
+    moe = "num_experts" in kwargs or "num_local_experts" in kwargs
     started = time.perf_counter()
     directory = make_hf_directory(work / name / "hf", model_class, config_class, kwargs, device, dtype)
     made_s = time.perf_counter() - started
@@ -247,8 +269,12 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     )
     keep_with_checkpoint(ckpt, run.cfg.model, run.runtime.precision)
     checkpoint = HFCheckpoint.open(directory)
-    mapping, vocab = family_of(checkpoint).mapping, int(checkpoint.config["vocab_size"])
+    family = family_of(checkpoint)
+    mapping, vocab = family.mapping, int(checkpoint.config["vocab_size"])
     trained = {k: v.detach().cpu() for k, v in hf_state(unwrap_model(run.model), mapping, vocab).items()}
+    if family.name == "gpt_oss":  # its checkpoints hold each layer's experts fused
+        trained = fuse_experts(trained)
+    rope = {k: run.cfg.model.get(k) for k in ("rotary_base", "rope_scaling", "local_rotary_base")}
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del run
     ps.destroy_model_parallel()
@@ -284,7 +310,7 @@ def run_model(name: str, spec: tuple, args, work: Path) -> dict:
     return {
         "model": name,
         "hf_config": {k: v for k, v in kwargs.items()},
-        "rope_as_saved": llama.rope(ConfigReader(checkpoint)),  # (rope_theta, llama3 scaling or None)
+        "rope_as_imported": json.loads(json.dumps(rope, default=dict)),  # the model group's RoPE keys
         "first_step_loss": {
             "thdpack": thd_loss,
             "transformers": hf_loss,

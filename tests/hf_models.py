@@ -5,10 +5,10 @@ weights, no download) and saved with ``save_pretrained`` (safetensors).
     model = hf_model(directory)                             # transformers' own model on those weights, fp32
     model = build("qwen3")                                  # the same weights without the round trip to disk
 
-Every family: 2 layers, hidden 64, 4 query heads in 2 groups (GQA). RoPE is given as transformers 4 named it
-(``rope_theta``, ``rope_scaling``), which transformers 5 still takes and saves as ``rope_parameters``. Weights
-are drawn wider than transformers' initialisation (std 0.02 makes every logit about 0 and hides layout errors),
-norms around 1, biases non-zero.
+Every family: 2 layers, hidden 64, 4 query heads in 2 groups (GQA; Gemma 3 1B's shape: one group). RoPE is given
+as transformers 4 named it (``rope_theta``, ``rope_scaling``), which transformers 5 still takes and saves as
+``rope_parameters``. Weights are drawn wider than transformers' initialisation (std 0.02 makes every logit about 0
+and hides layout errors), norm gains around 1, biases non-zero.
 """
 
 from __future__ import annotations
@@ -104,9 +104,61 @@ FAMILIES = {
             shared_expert_intermediate_size=48,
         ),
     ),
+    # Gemma 3 4B's text shape at tiny size: grouped queries, linear scaling of the global RoPE, a window that
+    # bites within these samples (4 tokens), a query scale of its own
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+    ),
+    # Gemma 3 1B's: one key/value head (no tensor parallelism: Megatron splits whole query groups), no scaling
+    "gemma3_1b": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            head_dim=24,
+            query_pre_attn_scalar=24,
+            sliding_window=3,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
+    ),
+    # gpt-oss at tiny size: 4 experts (top 2), attention sinks, a window of 4 on its first layer, YaRN that bites
+    # at these positions (original context 16), and a clamp (swiglu_limit) that bites at these activations
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+            rope_theta=150000.0,
+            max_position_embeddings=128,  # = factor x original context, as transformers' YaRN expects
+            swiglu_limit=1.5,
+        ),
+    ),
 }
-DENSE = [f for f in FAMILIES if "moe" not in f]
-MOE = [f for f in FAMILIES if "moe" in f]
+DENSE = [f for f in FAMILIES if "moe" not in f and f != "gpt_oss"]
+MOE = [f for f in FAMILIES if "moe" in f or f == "gpt_oss"]
 # Families thdpack refuses under context parallelism (Qwen3.5: its recurrence runs over each whole sample).
 NO_CP = ["qwen3_5", "qwen3_5_moe"]
 
@@ -121,8 +173,8 @@ def build(family: str, seed: int = 0, **overrides):
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
-    # Qwen3.5's RMSNorms (but its DeltaNet's output norm) scale by 1 + weight: weights around 0 there
-    centred = config.model_type.startswith("qwen3_5")
+    # Qwen3.5's RMSNorms (but its DeltaNet's output norm) and Gemma's scale by 1 + weight: weights around 0 there
+    centred = config.model_type.startswith(("qwen3_5", "gemma"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and centred and "linear_attn.norm" not in name:
@@ -261,3 +313,45 @@ def megatron_model(
     config = transformer_config(group, parallel, runtime)
     family = get_family(group["family"])
     return family.build(group, config, vocab_size or group["vocab_size"], seq_length, runtime).eval()
+
+
+def save_run_checkpoint(gpt, source: str | Path, root: str | Path, precision: str = "fp32") -> Path:
+    """``gpt`` (one rank's whole model) written as a training run's checkpoint of ``source`` in ``root``: the
+    distributed checkpoint ``root/iter_0000001`` (the model's sharded state dict, as the training loop saves it),
+    marked the latest, and ``root/hf`` (what ``python -m thdpack.export`` needs). Returns the iteration
+    directory."""
+    from megatron.core import dist_checkpointing
+
+    from thdpack.hf.directory import keep_with_checkpoint
+    from thdpack.models import pretrained_model_group
+
+    iteration = Path(root) / "iter_0000001"
+    iteration.mkdir(parents=True)
+    dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(iteration))
+    group = pretrained_model_group(
+        {"pretrained": str(source), "attention_backend": "torch"}, seq_length=64, tp=1
+    )
+    keep_with_checkpoint(root, group, precision)
+    (Path(root) / "latest_checkpointed_iteration.txt").write_text("1")
+    return iteration
+
+
+def training_step_grads(model, batch) -> dict[str, torch.Tensor | None]:
+    """The gradients of every parameter of ``model`` after thdpack's packed forward step on ``batch`` and a
+    backward of its per-token loss (training mode)."""
+    from thdpack.megatron.step import forward_step
+
+    model.train()
+    output, loss_func = forward_step(iter([batch]), model)
+    loss_sum, count, _ = loss_func(output)
+    (loss_sum / count).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def write_config(directory: Path, config: dict):
+    """``config`` written as ``directory/config.json``, opened as an :class:`~thdpack.hf.checkpoint.HFCheckpoint`."""
+    from thdpack.hf.checkpoint import HFCheckpoint
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return HFCheckpoint.open(directory)

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_tiny_llama3_and_qwen3_moe_fine_tune_from_transformers_loss_and_export_bitwise(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     command = [
-        sys.executable, str(REPO / "benchmarks" / "hf_finetune.py"), "--shapes", "tiny", "--steps", "3",
+        sys.executable, str(REPO / "benchmarks" / "hf_finetune.py"), "--shapes", "tiny",
+        "--models", "llama3_tiny,qwen3_moe_tiny", "--steps", "3",
         "--seq-length", "512", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

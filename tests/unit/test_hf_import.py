@@ -24,6 +24,8 @@ from tests.hf_models import (
 pytestmark = [pytest.mark.cpu_only]
 
 LOGIT_TOLERANCE = 1e-4
+# Gemma 3 and gpt-oss are held to issue 39's target
+TOLERANCE = dict.fromkeys(("gemma3", "gemma3_1b", "gpt_oss"), 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def packed(model, batch, labels: bool = False):
 def test_packed_logits_equal_transformers_on_each_sample_alone(family, hf_dirs, hf_models):
     hf = hf_models[family]
     batch = padded_batch(hf.config.vocab_size)
-    assert max_logit_difference(megatron_model(hf_dirs[family]), hf, batch) <= LOGIT_TOLERANCE
+    tolerance = TOLERANCE.get(family, LOGIT_TOLERANCE)
+    assert max_logit_difference(megatron_model(hf_dirs[family]), hf, batch) <= tolerance
 
 
 @pytest.mark.usefixtures("one_rank_megatron")
@@ -119,7 +122,7 @@ def test_llama3_scaling_with_its_own_values_gives_transformers_frequencies(hf_di
 
 
 @pytest.mark.usefixtures("one_rank_megatron")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])  # fused experts: test_gpt_oss.py
 def test_import_then_export_gives_back_every_tensor_bitwise(family, hf_dirs):
     from safetensors.torch import load_file
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from thdpack.hf.mapping import (
+    COLUMN,
     GATED,
     QKV,
     ROW,
@@ -49,6 +50,13 @@ def test_row_parallel_splits_columns():
         [2, 3],
         [6, 7],
     ]
+
+
+def test_column_gives_each_rank_its_heads_rows_and_back():
+    sinks = torch.tensor([0.0, 1, 2, 3])  # one value per attention head
+    ranks = [to_megatron(COLUMN, reader(sinks), torch.Size([2]), Shard(r, 2), DIMS) for r in (0, 1)]
+    assert [t.tolist() for t in ranks] == [[0, 1], [2, 3]]
+    assert to_hf(COLUMN, torch.cat(ranks), DIMS)[0].tolist() == [0, 1, 2, 3]
 
 
 def test_vocab_rows_past_the_checkpoint_are_zero_padding():

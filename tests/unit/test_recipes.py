@@ -145,6 +145,8 @@ def test_runtime_defaults_follow_the_device():
         (("model=llama3_1b",), "cpu", False),
         (("model=llama3_1b",), "cuda", True),
         (("model=tiny_moe",), "cuda", False),  # experts: megatron-core's TEFusedMLP is a dense MLP
+        # Gemma 3's tanh GELU: no TE operation in megatron-core's TEFusedMLP
+        (("model=llama3_1b", "model.config.activation_func=gelu_tanh"), "cuda", False),
         (("model=llama3_1b", "model.te_op_fuser=false"), "cuda", False),
         # delayed scaling keeps a history that the fused operations' checkpoints lack; current scaling keeps none
         (("model=llama3_1b", "trainer.precision=fp8", "trainer.fp8_recipe=delayed"), "cuda", False),

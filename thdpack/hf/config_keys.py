@@ -85,6 +85,7 @@ HARMLESS_KEYS: Mapping[str, str] = {
             "exponential_decay_length_penalty",
             "suppress_tokens",
             "begin_suppress_tokens",
+            "cache_implementation",  # Gemma 3's "hybrid": the key/value cache generate() builds
         ),
         _GENERATION,
     ),  # fmt: skip

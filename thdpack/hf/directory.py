@@ -85,9 +85,9 @@ def write_hf_directory(
     files_from: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Write ``config.json`` (``hf_config`` with ``dtype`` set to the tensors'), ``model-0000i-of-0000n``
-    safetensors shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own),
-    ``model.safetensors.index.json``, and the tokenizer and processor files found in ``files_from``."""
+    """Write ``config.json`` (``hf_config`` with ``dtype`` set to the tensors', without ``quantization_config``),
+    ``model-0000i-of-0000n`` safetensors shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of
+    its own), ``model.safetensors.index.json``, and the tokenizer and processor files found in ``files_from``."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -115,6 +115,9 @@ def write_hf_directory(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     dtypes = {t.dtype for t in tensors.values()}
     config = {k: v for k, v in hf_config.items() if not k.startswith("_")}
+    # the tensors are written as trained, in one float dtype: a source's quantization (gpt-oss's MXFP4 experts,
+    # dequantized on import) no longer describes them
+    config.pop("quantization_config", None)
     if len(dtypes) == 1:
         dtype = str(dtypes.pop()).removeprefix("torch.")
         config = vl_config_dtype(config, dtype)

@@ -35,7 +35,13 @@ from .mapping import (
     to_megatron,
 )
 
-__all__ = ["inverse_frequencies", "load_weights", "never_predict_padding", "set_rotary_frequencies"]
+__all__ = [
+    "inverse_frequencies",
+    "load_weights",
+    "never_predict_padding",
+    "set_rotary_frequencies",
+    "use_inverse_frequencies",
+]
 
 
 def _parallel() -> dict[str, int]:
@@ -143,8 +149,13 @@ def set_rotary_frequencies(gpt, theta: float, scaling: Mapping | None) -> None:
     rope = getattr(gpt, "rotary_pos_emb", None)
     if rope is None:
         return
-    inv = inverse_frequencies(rope, float(theta), dict(scaling) if scaling else None)
-    rope.inv_freq = inv.to(rope.inv_freq.device)
+    use_inverse_frequencies(gpt, inverse_frequencies(rope, float(theta), dict(scaling) if scaling else None))
+
+
+def use_inverse_frequencies(gpt, inv_freq: torch.Tensor) -> None:
+    """Give ``gpt``'s rotary embedding the inverse frequencies ``inv_freq`` (``[head_dim / 2]``, float32)."""
+    rope = gpt.rotary_pos_emb
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device)
     type(rope).forward.cache_clear()  # RotaryEmbedding.forward is an lru_cache over (module, lengths)
 
 

@@ -13,6 +13,7 @@ is grouped GEMM's ``experts.linear_fc1.weight{e}``), the HF tensors it is made o
   groups stacked and split over TP by whole groups (weights and, for Qwen2, biases);
 - ``gated``: ``[gate; up]`` stacked on dim 0, each half split on dim 0 over TP, then stacked again per rank;
 - ``row``: split on dim 1 over TP (``linear_proj``, ``linear_fc2``);
+- ``column``: split on dim 0 over TP, nothing fused (one value per attention head: gpt-oss's sinks);
 - a :class:`Kind` object: a layout of its own (:mod:`thdpack.hf.delta_net_kinds`: gated attention's QKV, gated
   DeltaNet's projections grouped by key head).
 
@@ -33,6 +34,7 @@ from typing import Protocol
 import torch
 
 __all__ = [
+    "COLUMN",
     "GATED",
     "HF_EXPERT",
     "HF_LAYER",
@@ -57,6 +59,7 @@ __all__ = [
 ]
 
 REPLICATED, VOCAB, QKV, GATED, ROW = "replicated", "vocab", "qkv", "gated", "row"
+COLUMN = "column"
 
 # The name prefixes a rule writes its per-layer (per-expert) tensors with.
 LAYER = "decoder.layers.{layer}."
@@ -230,6 +233,8 @@ def hf_shapes(kind: str, local: torch.Size, shard: Shard, dims: Dims) -> list[tu
         return [(dims.vocab, *rest)]
     if kind == ROW:
         return [(local[0], local[1] * shard.size)]
+    if kind == COLUMN:
+        return [(local[0] * shard.size, *rest)]
     if kind == GATED:
         return [(local[0] // 2 * shard.size, *rest)] * 2
     if kind == QKV:
@@ -254,6 +259,9 @@ def to_megatron(
     if kind == ROW:
         n = local[1]
         return read(0, every, slice(shard.rank * n, (shard.rank + 1) * n))
+    if kind == COLUMN:
+        n = local[0]
+        return read(0, slice(shard.rank * n, (shard.rank + 1) * n), every)
     if kind == GATED:
         n = local[0] // 2
         rows = slice(shard.rank * n, (shard.rank + 1) * n)
@@ -291,7 +299,7 @@ def to_hf(kind: str, tensor: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
     order; views where the layout allows."""
     if not isinstance(kind, str):
         return kind.to_hf(tensor, dims)
-    if kind in (REPLICATED, ROW):
+    if kind in (REPLICATED, ROW, COLUMN):
         return [tensor]
     if kind == VOCAB:
         return [tensor[: dims.vocab]]

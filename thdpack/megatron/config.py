@@ -4,6 +4,7 @@ groups (plain mappings or OmegaConf)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Mapping
 
@@ -13,7 +14,7 @@ from .runtime import Runtime
 
 __all__ = ["ACTIVATIONS", "padded_vocab_size", "transformer_config"]
 
-ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu")
+ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu", "gelu_tanh", "quick_gelu")
 
 
 def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
@@ -26,6 +27,7 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(model.get("config") or {})
+    _plain_window_keys(kwargs)
     activation = kwargs.pop("activation_func", "gelu")
     if activation not in ACTIVATIONS:
         raise ValueError(
@@ -78,12 +80,30 @@ def transformer_config(model: Mapping, parallel: Mapping, runtime: Runtime):
     )
 
 
+def _plain_window_keys(kwargs: dict) -> None:
+    """``window_size`` as the tuple and ``window_attn_skip_freq`` as the list Megatron and TE compare with
+    (a recipe holds them as OmegaConf or JSON lists)."""
+    if kwargs.get("window_size") is not None:
+        kwargs["window_size"] = tuple(int(v) for v in kwargs["window_size"])
+    freq = kwargs.get("window_attn_skip_freq")
+    if freq is not None and not isinstance(freq, int):
+        kwargs["window_attn_skip_freq"] = [int(v) for v in freq]
+
+
 def _activation(name: str):
     import torch.nn.functional as F
 
     if name == "squared_relu":
         return lambda x: torch.pow(F.relu(x), 2)
+    if name == "gelu_tanh":  # transformers' gelu_pytorch_tanh (Gemma)
+        return functools.partial(F.gelu, approximate="tanh")
+    if name == "quick_gelu":  # x * sigmoid(1.702 x): gpt-oss's gate (megatron-core's quick_gelu, uncompiled)
+        return _quick_gelu
     return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[name]
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
 
 
 def padded_vocab_size(model: Mapping, tokenizer_vocab: int, tp: int) -> int:

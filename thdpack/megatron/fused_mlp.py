@@ -5,8 +5,9 @@ fuses the activation with the FP8 cast of FC2's input; its parameters and state-
 It holds those TE operations in a tuple, outside the module tree, so state they keep of their own is not in
 checkpoints: under FP8 delayed scaling, their amax history restarts when a run resumes.
 
-Recipe key: ``model.te_op_fuser`` (auto | true | false); ``auto`` is true with the ``te`` backend, a dense MLP and
-no FP8 scaling history.
+Recipe key: ``model.te_op_fuser`` (auto | true | false); ``auto`` is true with the ``te`` backend, a dense MLP, an
+activation TE's operations have (megatron-core maps gelu, silu and relu; not Gemma 3's tanh GELU) and no FP8
+scaling history.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ def _experts(model: Mapping):
     return (model.get("config") or {}).get("num_moe_experts")
 
 
+# The activations megatron-core's TEFusedMLP maps to TE operations (_make_activation_op).
+FUSED_ACTIVATIONS = ("gelu", "silu", "relu")
+
+
+def _activation(model: Mapping) -> str:
+    return (model.get("config") or {}).get("activation_func", "gelu")
+
+
 def _keeps_scaling_history(trainer: Mapping) -> bool:
     return trainer.get("precision") == "fp8" and trainer.get("fp8_recipe", "delayed") == "delayed"
 
@@ -30,7 +39,8 @@ def resolve_te_op_fuser(model: Mapping, trainer: Mapping, backend: str) -> bool 
     value = model.get("te_op_fuser", False)
     if value != "auto":
         return value
-    return backend == "te" and not _experts(model) and not _keeps_scaling_history(trainer)
+    fusible = _activation(model) in FUSED_ACTIVATIONS
+    return backend == "te" and not _experts(model) and fusible and not _keeps_scaling_history(trainer)
 
 
 def check_te_op_fuser(model: Mapping, trainer: Mapping, backend: str) -> list[str]:
@@ -53,6 +63,12 @@ def check_te_op_fuser(model: Mapping, trainer: Mapping, backend: str) -> list[st
         raise ValueError(
             f"model.te_op_fuser=true fuses a dense MLP: this model has experts (model.config.num_moe_experts="
             f"{_experts(model)}); set model.te_op_fuser=false"
+        )
+    if _activation(model) not in FUSED_ACTIVATIONS:
+        raise ValueError(
+            f"model.te_op_fuser=true fuses the MLP's activation as a Transformer Engine operation: megatron-core has "
+            f"{list(FUSED_ACTIVATIONS)}, not model.config.activation_func={_activation(model)!r}; set "
+            "model.te_op_fuser=false"
         )
     if _keeps_scaling_history(trainer):
         return [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megatron.core.models.gpt import GPTModel
@@ -88,6 +89,7 @@ def build_gpt_model(
     packed_mrope: bool = True,
     mrope_interleaved: bool = False,
     te_op_fuser: bool = False,
+    edit_spec: Callable[[ModuleSpec], ModuleSpec] | None = None,
     **model_kwargs: Any,
 ) -> GPTModel:
     """A `GPTModel` (MoE when `config.num_moe_experts` is set) with the `backend` layer spec.
@@ -99,6 +101,8 @@ def build_gpt_model(
     (`thdpack.megatron.mrope.mrope_frequencies`). `te_op_fuser` (TE backend, dense MLP) builds megatron-core's
     `TEFusedMLP`: norm, FC1, activation and FC2 as one Transformer Engine operation sequence, whose fused kernels
     write the activation's FP8 cast directly; its parameters and state-dict keys are the plain MLP's.
+    `edit_spec` (a family's own layers, e.g. Gemma 3's post-norms) takes the backend's layer spec and returns the
+    one to build.
     """
     if te_op_fuser and (backend != "te" or config.num_moe_experts):
         raise ValueError("te_op_fuser needs the TE backend and a dense MLP (no num_moe_experts)")
@@ -117,6 +121,8 @@ def build_gpt_model(
         qk_layernorm=config.qk_layernorm,
         **({"use_te_op_fuser": True} if te_op_fuser else {}),
     )
+    if edit_spec is not None:
+        spec = edit_spec(spec)
     if backend == "torch":
         spec = torch_block_spec(spec, config, model_kwargs.get("vp_stage"), model_kwargs.get("pg_collection"))
     model = GPTModel(

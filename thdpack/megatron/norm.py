@@ -36,11 +36,16 @@ def build_sequence_parallel_norm(
 
 class TorchNorm:
     """Megatron's `WrappedTorchNorm` (torch `LayerNorm` or `RMSNorm` per `config.normalization`), with
-    sequence parallelism. Same constructor arguments; returns the torch module."""
+    sequence parallelism, and the zero-centred RMSNorm (`thdpack.megatron.zero_centered_norm`) where
+    `config.layernorm_zero_centered_gamma` asks for it. Same constructor arguments; returns the torch module."""
 
     def __new__(cls, config, *args, **kwargs) -> torch.nn.Module:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+        if config.layernorm_zero_centered_gamma:
+            from .zero_centered_norm import ZeroCenteredRMSNorm
+
+            return ZeroCenteredRMSNorm(config, *args, **kwargs)
         return build_sequence_parallel_norm(WrappedTorchNorm, config, *args, **kwargs)
 
 

@@ -95,12 +95,29 @@ def load_checkpoint_model(iteration_dir: str | Path, hf_dir: str | Path):
         share_embeddings_and_output_weights=tied,
         **extra,
     )
+    _refuse_layers_of_their_own(gpt, family, tied, kept)
     vocab = int(kept.config["vocab_size"])
     load_weights(gpt, InMemoryTensors(tensors, Path(iteration_dir)), family.mapping, vocab)
     # what the weights do not carry, as at import
     set_rotary_frequencies(gpt, model["rotary_base"], model.get("rope_scaling"))
     never_predict_padding(gpt, vocab)
     return gpt
+
+
+def _refuse_layers_of_their_own(gpt, family, tied: bool, kept: HFCheckpoint) -> None:
+    """Stop where the family's layers hold tensors the plain ``GPTModel`` lacks (Gemma 3's post-norms, gpt-oss's
+    sinks): the rebuilt model would compute something else."""
+    from thdpack.hf.mapping import active_rules, match_name
+
+    rules = [r for r in active_rules(family.mapping, tied) if "{layer}" in r.megatron[0]]
+    matched = {m.rule for name in gpt.state_dict() if (m := match_name(name, rules)) is not None}
+    missing = [r.megatron[0] for r in rules if r not in matched]
+    if missing:
+        raise ValueError(
+            f"{kept.path}: the '{family.name}' family's layers hold {missing[:3]}, which the plain GPTModel that "
+            "load_checkpoint_model rebuilds lacks: export the checkpoint (export_checkpoint) and load it with "
+            "transformers, or build the family's own model"
+        )
 
 
 def start_one_process_group() -> None:

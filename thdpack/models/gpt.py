@@ -21,9 +21,9 @@ MODEL_KEYS = (
 )
 
 
-def build(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime):
-    """This rank's ``GPTModel`` stage (:func:`thdpack.megatron.models.build_gpt_model`) with the recipe's output
-    layer and loss (:mod:`thdpack.megatron.output_loss`)."""
+def build(model: Mapping, config, vocab_size: int, max_sequence_length: int, runtime, **build_kwargs):
+    """This rank's ``GPTModel`` stage (:func:`thdpack.megatron.models.build_gpt_model`, which takes
+    ``build_kwargs``) with the recipe's output layer and loss (:mod:`thdpack.megatron.output_loss`)."""
     from thdpack.megatron.models import build_gpt_model
     from thdpack.megatron.output_loss import resolve_output_loss, use_output_loss
 
@@ -36,6 +36,7 @@ def build(model: Mapping, config, vocab_size: int, max_sequence_length: int, run
         rotary_base=int(model.get("rotary_base", 10000)),
         share_embeddings_and_output_weights=bool(model.get("share_embeddings_and_output_weights", False)),
         te_op_fuser=model.get("te_op_fuser") is True,  # "auto" is resolved with the recipe
+        **build_kwargs,
     )
     use_output_loss(module, resolve_output_loss(model, runtime.device))
     return module

@@ -104,9 +104,11 @@ FIXED_VALUES = {
 }
 
 
-def decoder_config(r: ConfigReader, model_type: str) -> dict[str, Any]:
+def decoder_config(
+    r: ConfigReader, model_type: str, fixed: dict[str, tuple[Any, str]] = FIXED_VALUES
+) -> dict[str, Any]:
     """The Megatron ``TransformerConfig`` settings of a Llama-like decoder (``model_type``: what
-    ``config.json`` must say), its fixed values checked (:data:`FIXED_VALUES`)."""
+    ``config.json`` must say), its ``fixed`` values checked (:data:`FIXED_VALUES`, or a family's own)."""
     found = r.get("model_type")
     if found != model_type:
         architecture = (r.config.get("architectures") or ["?"])[0]
@@ -139,7 +141,7 @@ def decoder_config(r: ConfigReader, model_type: str) -> dict[str, Any]:
         "attention_dropout": float(r.get("attention_dropout") or 0.0),
         "init_method_std": float(r.get("initializer_range") or 0.02),
     }
-    for key, (value, rule) in FIXED_VALUES.items():
+    for key, (value, rule) in fixed.items():
         given = r.get(key)
         if given is not None and given != value and not _same(given, value):
             raise r.error(key, f"is {given!r}: thdpack needs {value!r} ({rule})")
@@ -152,11 +154,18 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def decoder_group(r: ConfigReader, name: str, config: dict[str, Any], tp: int) -> dict[str, Any]:
-    """The recipe's model group of a Llama-like decoder with Megatron settings ``config``: RoPE (:func:`rope`),
-    the vocabulary (the checkpoint's, rounded up to a multiple of ``tp`` where ``tp`` does not divide it: the
-    padded rows are never predicted, :mod:`thdpack.hf.load`), tied embeddings."""
-    theta, scaling = rope(r)
+def decoder_group(
+    r: ConfigReader,
+    name: str,
+    config: dict[str, Any],
+    tp: int,
+    rotary: tuple[float, dict | None] | None = None,
+) -> dict[str, Any]:
+    """The recipe's model group of a Llama-like decoder with Megatron settings ``config``: RoPE (``rotary``, a
+    family's own ``(theta, scaling)``, or :func:`rope`), the vocabulary (the checkpoint's, rounded up to a multiple
+    of ``tp`` where ``tp`` does not divide it: the padded rows are never predicted, :mod:`thdpack.hf.load`), tied
+    embeddings."""
+    theta, scaling = rotary if rotary is not None else rope(r)
     tied = r.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise r.error("tie_word_embeddings", f"is {tied!r}: true or false expected")

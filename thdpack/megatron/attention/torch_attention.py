@@ -43,6 +43,8 @@ from torch import Tensor
 from thdpack.megatron.packed_seq_params import THDPackedSeqParams
 from thdpack.packing.context_parallel import cp_partition_indices
 
+from .window_sink import causal_window_mask, sdpa_with_sinks
+
 Boundaries = Tensor | Sequence[int]
 BACKENDS = ("auto", "varlen", "flash", "sdpa", "dense")
 
@@ -188,6 +190,13 @@ def _torch_varlen():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def _varlen_takes(window: int | None, sinks: Tensor | None) -> bool:
+    """Whether this torch's `varlen_attn` computes the attention asked for (it has no sinks, and older torch no
+    window)."""
+    found = _torch_varlen()
+    return found is not None and sinks is None and (window is None or "window_size" in found[1])
+
+
 @functools.lru_cache(maxsize=1)
 def _flash_attn_varlen():
     try:
@@ -204,18 +213,30 @@ def _import_flash_attn_varlen():
     return fn
 
 
-def _attend_varlen(q, k, v, cu_padded, max_seqlen, scale, dropout_p, kernel):
+def _attend_varlen(q, k, v, cu_padded, max_seqlen, scale, dropout_p, kernel, window=None):
     """One varlen call over the *physical* segments (pad folded in).
 
     FlashAttention cannot skip pad between samples (TE's `pad_between_seqs` rule), but under causal
     attention a real token never sees the pad after it, so real outputs are exact; pad rows are
-    zeroed by the caller, which also zeroes every gradient that would flow through them.
+    zeroed by the caller, which also zeroes every gradient that would flow through them. A sliding
+    `window` (left size) is the kernels' own `window_size=(window, 0)`, within each segment.
     """
     cu = cu_padded.to(torch.int32)
     if kernel == "flash":
         fn = _import_flash_attn_varlen()
+        extra = {} if window is None else {"window_size": (window, 0)}
         return fn(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout_p, softmax_scale=scale, causal=True
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            dropout_p=dropout_p,
+            softmax_scale=scale,
+            causal=True,
+            **extra,
         )
     if dropout_p:
         raise ValueError("torch varlen_attn has no attention dropout: use backend='flash' or 'sdpa'")
@@ -228,7 +249,12 @@ def _attend_varlen(q, k, v, cu_padded, max_seqlen, scale, dropout_p, kernel):
     fn, params = found
     kwargs = {"scale": scale}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (-1 if window is None else window, 0)
+    elif window is not None:
+        raise NotImplementedError(
+            f"torch {torch.__version__}'s varlen_attn has no window_size: use backend='sdpa' or 'dense' for "
+            "sliding-window attention"
+        )
     else:
         kwargs["is_causal"] = True
     groups = q.shape[1] // k.shape[1]
@@ -239,21 +265,22 @@ def _attend_varlen(q, k, v, cu_padded, max_seqlen, scale, dropout_p, kernel):
     return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
-def _sdpa(q, k, v, scale, dropout_p, mask=None, causal=False):
-    """q `[Lq, H, D]`, k/v `[Lk, H, D]` (heads already expanded) -> `[Lq, H, D]`."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=causal,
-        scale=scale,
-    )
+def _sdpa(q, k, v, scale, dropout_p, mask=None, causal=False, sinks=None):
+    """q `[Lq, H, D]`, k/v `[Lk, H, D]` (heads already expanded) -> `[Lq, H, D]`; with `sinks` (`[H]`, see
+    `window_sink`), `mask` says which keys each query sees."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
+        )
+    else:
+        out = sdpa_with_sinks(q, k, v, allowed=mask, sinks=sinks, scale=scale, dropout_p=dropout_p)
     return out.transpose(0, 1)
 
 
-def _attend_per_sample(q, k_full, v_full, cu, cup, cp_size, cp_rank, scale, dropout_p):
+def _attend_per_sample(
+    q, k_full, v_full, cu, cup, cp_size, cp_rank, scale, dropout_p, window=None, sinks=None
+):
     """Exact reference: one SDPA per sample over its real tokens only; pad rows are zeros.
 
     `k_full`/`v_full` hold every global row (gathered under CP); `q` holds the local rows, those
@@ -269,22 +296,24 @@ def _attend_per_sample(q, k_full, v_full, cu, cup, cp_size, cp_rank, scale, drop
         qpos = positions[positions < n].to(q.device)  # this rank's real rows of the sample: a prefix of them
         m = qpos.numel()
         if m:
-            causal = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
+            allowed = causal_window_mask(qpos, torch.arange(n, device=q.device), window)
             keys = slice(start, start + n)
-            pieces.append(_sdpa(q[lo : lo + m], k_full[keys], v_full[keys], scale, dropout_p, mask=causal))
+            pieces.append(
+                _sdpa(q[lo : lo + m], k_full[keys], v_full[keys], scale, dropout_p, mask=allowed, sinks=sinks)
+            )
         pieces.append(q.new_zeros((hi - lo - m, *q.shape[1:])))
     pieces.append(q.new_zeros((q.shape[0] - local_cu[-1], *q.shape[1:])))  # rows past the last sample
     return torch.cat(pieces)
 
 
-def _attend_dense(q, k_full, v_full, gidx, cu, cup, scale, dropout_p):
-    """Sync-free exact fallback: full `[Tq, T]` mask (same sample, key <= query position)."""
+def _attend_dense(q, k_full, v_full, gidx, cu, cup, scale, dropout_p, window=None, sinks=None):
+    """Sync-free exact fallback: full `[Tq, T]` mask (same sample, key <= query position, within `window`)."""
     cup64 = cup.to(torch.int64)
     kidx = torch.arange(k_full.shape[0], device=q.device)
     seg_q = torch.searchsorted(cup64[1:], gidx, right=True)
     seg_k = torch.searchsorted(cup64[1:], kidx, right=True)
-    mask = (seg_q[:, None] == seg_k[None, :]) & (kidx[None, :] <= gidx[:, None])
-    return _sdpa(q, k_full, v_full, scale, dropout_p, mask=mask)
+    mask = (seg_q[:, None] == seg_k[None, :]) & causal_window_mask(gidx, kidx, window)
+    return _sdpa(q, k_full, v_full, scale, dropout_p, mask=mask, sinks=sinks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +338,8 @@ def attend_thd(
     host_cu_seqlens: Sequence[int] | None = None,
     host_cu_seqlens_padded: Sequence[int] | None = None,
     backend: str = "auto",
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention within each packed sample.
 
@@ -330,6 +361,10 @@ def attend_thd(
         host_cu_seqlens, host_cu_seqlens_padded: host copies of the boundaries (the packer keeps
             them); CPU tensors are read directly, CUDA ones are never read on the host.
         backend: one of `BACKENDS`.
+        window: sliding window (Megatron's left `window_size`): a query at position `i` of its sample sees
+            keys `i - window .. i` (`thdpack.megatron.attention.window_sink`); None: the whole causal prefix.
+        sinks: `[Hq]` learned sink logit per query head (gpt-oss), or None. The varlen kernels take none:
+            `auto` picks `sdpa` (host boundaries) or `dense`.
 
     Returns:
         `[T_local, Hq, D]`: attention output; exactly zero on pad rows and rows past the last sample.
@@ -368,9 +403,9 @@ def attend_thd(
     half = query.dtype in (torch.float16, torch.bfloat16)
 
     if backend == "auto":
-        if device.type == "cuda" and cp_size == 1 and half and not dropout_p and _torch_varlen():
+        if device.type == "cuda" and cp_size == 1 and half and not dropout_p and _varlen_takes(window, sinks):
             backend = "varlen"
-        elif device.type == "cuda" and cp_size == 1 and half and _flash_attn_varlen():
+        elif device.type == "cuda" and cp_size == 1 and half and sinks is None and _flash_attn_varlen():
             backend = "flash"
         elif have_host:
             backend = "sdpa"
@@ -385,6 +420,8 @@ def attend_thd(
         _check_host(host_cu, host_cup, query.shape[0], cp_size)
 
     if backend in ("varlen", "flash"):
+        if sinks is not None:
+            raise ValueError(f"backend={backend!r} has no attention sinks: use 'sdpa' or 'dense'")
         if cp_size > 1:
             raise NotImplementedError(
                 f"backend={backend!r} does not do context parallelism yet; use 'sdpa' or 'dense'"
@@ -397,7 +434,7 @@ def attend_thd(
                 if have_host
                 else query.shape[0]
             )
-        out = _attend_varlen(query, key, value, cup_dev, max_seqlen, scale, dropout_p, backend)
+        out = _attend_varlen(query, key, value, cup_dev, max_seqlen, scale, dropout_p, backend, window)
         if fold and have_host and host_cup[-1] == query.shape[0]:
             return out
         real = _real_rows(torch.arange(query.shape[0], device=device), cu_dev, cup_dev)
@@ -424,12 +461,12 @@ def attend_thd(
 
     if backend == "sdpa":
         return _attend_per_sample(
-            query, k_full, v_full, host_cu, host_cup, cp_size, cp_rank, scale, dropout_p
+            query, k_full, v_full, host_cu, host_cup, cp_size, cp_rank, scale, dropout_p, window, sinks
         )
 
     cu_dev = _as_device(cu_seqlens, device)
     cup_dev = cu_dev if fold else _as_device(cu_seqlens_padded, device)
-    out = _attend_dense(query, k_full, v_full, gidx, cu_dev, cup_dev, scale, dropout_p)
+    out = _attend_dense(query, k_full, v_full, gidx, cu_dev, cup_dev, scale, dropout_p, window, sinks)
     real = _real_rows(gidx, cu_dev, cup_dev)
     return torch.where(real[:, None, None], out, out.new_zeros(()))
 
@@ -443,6 +480,8 @@ def attend_bshd(
     causal: bool = True,
     softmax_scale: float | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Padded attention in Megatron's layout.
 
@@ -450,6 +489,7 @@ def attend_bshd(
         query: `[S, B, Hq, D]`; key, value: `[S, B, Hkv, D]`.
         attention_mask: optional bool, True = masked out, broadcastable to `[B, 1|Hq, S, S]`
             (Megatron's convention). Combined with the causal mask when `causal`.
+        window, sinks: a causal sliding window (left size) and per-head sink logits `[Hq]`, as in `attend_thd`.
 
     Returns:
         `[S, B, Hq*D]`.
@@ -460,17 +500,23 @@ def attend_bshd(
     k = _expand_kv(key, groups, 2).permute(1, 2, 0, 3)
     v = _expand_kv(value, groups, 2).permute(1, 2, 0, 3)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    if attention_mask is None:
+    if attention_mask is None and window is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
     else:
-        allowed = ~attention_mask.bool()
-        if causal:
-            allowed = allowed & torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril()
-        # Additive rather than boolean: a fully masked row (e.g. a left-pad query) must stay finite,
-        # as in Megatron's softmax, instead of turning into NaN that survives loss masking.
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill(~allowed, torch.finfo(q.dtype).min)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+        allowed = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device)
+        if causal or window is not None:
+            positions = torch.arange(s, device=q.device)
+            allowed = causal_window_mask(positions, torch.arange(k.shape[2], device=q.device), window)
+        if attention_mask is not None:
+            allowed = allowed & ~attention_mask.bool()
+        if sinks is not None:
+            out = sdpa_with_sinks(q, k, v, allowed=allowed, sinks=sinks, scale=scale, dropout_p=dropout_p)
+        else:
+            # Additive rather than boolean: a fully masked row (e.g. a left-pad query) must stay finite,
+            # as in Megatron's softmax, instead of turning into NaN that survives loss masking.
+            bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            bias = bias.masked_fill(~allowed, torch.finfo(q.dtype).min)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 
@@ -487,6 +533,12 @@ class TorchTHDAttention(MegatronModule):
     heads). Host copies of the boundaries are taken from a `THDPackedSeqParams` (what
     `thd_packed_seq_params(packed)` returns); from a plain `PackedSeqParams` the boundaries are read on the
     host only when they are host tensors.
+
+    As Megatron's and TE's attention: `config.window_size=(left, 0)` gives the layers that
+    `config.window_attn_skip_freq` marks (every layer without it) a sliding window; `config.softmax_type`
+    `"learnable"` gives each of this rank's heads a sink logit, the parameter `softmax_offset` (`[heads / TP]`,
+    split over tensor parallelism: TE's name and shape, so a checkpoint moves between the backends), and
+    `"off-by-one"` a sink of 0.
     """
 
     backend: str = "auto"
@@ -505,12 +557,8 @@ class TorchTHDAttention(MegatronModule):
         v_channels: int | None = None,
     ):
         super().__init__(config=config)
-        if config.window_size is not None:
-            raise NotImplementedError("TorchTHDAttention has no sliding-window attention (window_size)")
-        if config.softmax_type != "vanilla":
-            raise NotImplementedError(
-                f"TorchTHDAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
-            )
+        self.window = _layer_window(config, layer_number)
+        self._add_softmax_offset(config)
         if config.qk_clip or config.log_max_attention_logit:
             raise NotImplementedError("TorchTHDAttention does not report max attention logits (qk_clip)")
         self.layer_number = max(1, layer_number)
@@ -522,6 +570,40 @@ class TorchTHDAttention(MegatronModule):
         # multiplies the scores back in fp32: the product is the same, so it is ignored here.
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _add_softmax_offset(self, config: TransformerConfig) -> None:
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
+        elif config.softmax_type == "learnable":
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(offset)
+            # each TP rank holds its own heads' sinks: not a duplicate for the gradient norm
+            set_tensor_model_parallel_attributes(offset, True, 0, 1)
+            self.softmax_offset = offset
+        else:
+            raise NotImplementedError(f"TorchTHDAttention has no softmax_type {config.softmax_type!r}")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The learnable `softmax_offset`, split over tensor parallelism on dim 0 (as Megatron's and TE's)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = {}
+        if isinstance(self.softmax_offset, torch.nn.Parameter):
+            state = {"softmax_offset": self.softmax_offset}
+        return make_sharded_tensors_for_checkpoint(  # None groups: Megatron's parallel state
+            state,
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=getattr(self.pg_collection, "tp", None),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
 
     def _cp_group(self, packed_seq_params: PackedSeqParams):
         dynamic = getattr(packed_seq_params, "cp_group", None)
@@ -574,6 +656,8 @@ class TorchTHDAttention(MegatronModule):
                 host_cu_seqlens=None if host is None else host.cu_seqlens_q_host,
                 host_cu_seqlens_padded=None if host is None else host.cu_seqlens_q_padded_host,
                 backend=self.backend,
+                window=self.window,
+                sinks=self.softmax_offset,
             )
             return out.reshape(out.shape[0], -1)
         if fmt not in (None, "sbhd"):
@@ -590,4 +674,21 @@ class TorchTHDAttention(MegatronModule):
             causal=mask_type in _CAUSAL_TYPES,
             softmax_scale=self.softmax_scale,
             dropout_p=dropout_p,
+            window=self.window,
+            sinks=self.softmax_offset,
         )
+
+
+def _layer_window(config: TransformerConfig, layer_number: int) -> int | None:
+    """The left window of layer `layer_number` (1-based, global), or None for full causal attention: Megatron's
+    rule (`is_layer_window_attention`), with TE's `(-1, 0)` meaning no window."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    left, right = config.window_size
+    if right != 0:
+        raise NotImplementedError(
+            f"TorchTHDAttention's windows are causal: window_size must be (left, 0), got {config.window_size}"
+        )
+    return None if left < 0 else int(left)
