@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -265,6 +266,7 @@ def adapter_grads(model, vision_language: bool) -> dict[str, torch.Tensor]:
     from thdpack.megatron.lora import adapter_modules
     from thdpack.megatron.unwrap import unwrap_model
 
+    gather_gradient_shards(model)
     tp = ps.get_tensor_model_parallel_world_size()
     out = {}
     for _, adapter in adapter_modules(unwrap_model(model)):
@@ -279,6 +281,18 @@ def adapter_grads(model, vision_language: bool) -> dict[str, torch.Tensor]:
                     grad = torch.cat(pieces, dim=param.partition_dim)
                 out[peft_key(module_path(key, vision_language), which)] = grad
     return out
+
+
+def gather_gradient_shards(model) -> None:
+    """The distributed optimizer's reduce-scatter leaves each data-parallel rank the reduced gradients of its own
+    shard of every bucket only: all-gather the shards, so that every rank holds every reduced gradient."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for buffer in model.buffers + model.expert_parallel_buffers:
+        group = buffer.data_parallel_group
+        for bucket in buffer.buckets:
+            shards = shard_buffer(bucket.grad_data, group.size())
+            dist.all_gather_into_tensor(bucket.grad_data, shards[group.rank()].clone(), group=group)
 
 
 def step_logits(model, family, batch) -> list[torch.Tensor] | None:
