@@ -144,7 +144,7 @@ def peft_reference(directory: Path, adapter: Path, batch) -> Reference:
         for name, p in model.named_parameters()
         if p.requires_grad
     }
-    return Reference(float(out.loss), grads)
+    return Reference(float(out.loss.detach()), grads)
 
 
 @torch.no_grad()
