@@ -164,37 +164,45 @@ class Step:
     grads: dict[str, torch.Tensor]  # PEFT key -> whole gradient, for this rank's layers
     logits: list[torch.Tensor] | None = None  # after the step, per sample (last stage, TP rank 0)
     group: dict = field(default_factory=dict)
+    dtypes: dict = field(
+        default_factory=dict
+    )  # {"adapters": {dtypes}, "base": {dtypes}} of the trained model
 
 
-def model_group(directory: Path, tp: int) -> dict:
+def model_group(directory: Path, tp: int, backend: str = "torch") -> dict:
     """The recipe's model group of the directory; a MoE's router auxiliary loss off (transformers adds it only
     with ``output_router_logits``, which PEFT's reference leaves off)."""
     from thdpack.models import pretrained_model_group
 
     recipe = {
         "pretrained": str(directory),
-        "attention_backend": "torch",
+        "attention_backend": backend,
         "config": {"moe_aux_loss_coeff": 0.0},
     }
     return pretrained_model_group(recipe, seq_length=SEQ, tp=tp)
 
 
-def thdpack_step(directory: Path, adapter: Path, ckpt: Path | None, sequence_parallel: bool = False) -> Step:
+def thdpack_step(
+    directory: Path, adapter: Path, ckpt: Path | None, sequence_parallel: bool = False, runtime=None
+) -> Step:
     """One training step of thdpack on the current Megatron layout (module docstring); saves a checkpoint of
-    iteration 1 to ``ckpt`` when given."""
+    iteration 1 to ``ckpt`` when given. ``runtime``: :class:`thdpack.megatron.runtime.Runtime` (default: CPU, fp32,
+    thdpack's torch attention)."""
     from megatron.core import parallel_state as ps
 
     from thdpack.hf.directory import keep_with_checkpoint
     from thdpack.megatron.checkpoint import save_checkpoint
     from thdpack.megatron.config import transformer_config
-    from thdpack.megatron.distributed import wrap_model
+    from thdpack.megatron.distributed import te_wgrad_fusion, wrap_model
     from thdpack.megatron.optimizer import build_optimizer
     from thdpack.megatron.runtime import Runtime
+    from thdpack.megatron.unwrap import unwrap_model
     from thdpack.models import get_family
     from thdpack.models.lora import apply_peft, peft_record, resolve_peft
 
+    runtime = runtime or Runtime("cpu", "fp32", "torch")
     tp = ps.get_tensor_model_parallel_world_size()
-    group = model_group(directory, tp)
+    group = model_group(directory, tp, runtime.backend)
     parallel = {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
@@ -202,13 +210,12 @@ def thdpack_step(directory: Path, adapter: Path, ckpt: Path | None, sequence_par
         "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "sequence_parallel": sequence_parallel,
     }
-    runtime = Runtime("cpu", "fp32", "torch")
     config = transformer_config(group, parallel, runtime)
     family = get_family(group["family"])
     peft = resolve_peft({"name": "lora", "from_adapter": str(adapter)}, group)
     module = family.build(group, config, group["vocab_size"], SEQ, runtime)
     module = apply_peft(module, peft, group, config)
-    model = wrap_model(module, config, runtime)
+    model = wrap_model(module, config, runtime, fuse_wgrad=te_wgrad_fusion(group, runtime))
     trainer = dict(
         lr=1e-2, min_lr=1e-2, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
         train_iters=1, lr_warmup_iters=0, lr_decay_style="constant",
@@ -232,7 +239,12 @@ def thdpack_step(directory: Path, adapter: Path, ckpt: Path | None, sequence_par
         record = peft_record(peft, group)
         save_checkpoint(ckpt, 1, model, optimizer, scheduler, {"data": {}, "peft": record})
     logits = step_logits(model, family, batch)
-    return Step(loss, grads, logits, group)
+    named = list(unwrap_model(model).named_parameters())
+    dtypes = {
+        "adapters": {p.dtype for n, p in named if ".lora_" in n},
+        "base": {p.dtype for n, p in named if ".lora_" not in n},
+    }
+    return Step(loss, grads, logits, group, dtypes)
 
 
 def schedule(model, family, batch, forward_only: bool = False):
