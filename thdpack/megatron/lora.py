@@ -333,7 +333,7 @@ def add_lora(
         setattr(parent, name + ADAPTER_SUFFIX, adapter)
         base.register_forward_hook(_with_adapter(adapter))
         adapters.append(adapter)
-    if config.recompute_granularity is not None and getattr(gpt, "pre_process", False):
+    if config.recompute_granularity == "full" and getattr(gpt, "pre_process", False):
         _decoder_input_requires_grad(gpt)
     return adapters
 
