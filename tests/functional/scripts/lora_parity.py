@@ -37,15 +37,15 @@ from tests.lora_parity import (  # noqa: E402
 )
 from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
 
-# name: (parallel sizes, sequence parallel, families)
+# name: (parallel sizes, sequence parallel, the families CI checks: each family under one or two layouts)
 LAYOUTS = {
-    "tp2": ({"tensor_model_parallel_size": 2}, False, ["llama3", "qwen2", "qwen2_5_vl"]),
+    "tp2": ({"tensor_model_parallel_size": 2}, False, ["llama3", "qwen2_5_vl"]),
     # megatron-core trains a MoE under TP only with sequence parallelism
-    "tp2sp": ({"tensor_model_parallel_size": 2}, True, ["mistral", "qwen3", "qwen3_moe", "qwen3_vl"]),
-    "pp2": ({"pipeline_model_parallel_size": 2}, False, ["llama3", "qwen3_moe"]),
-    "cp2": ({"context_parallel_size": 2}, False, ["qwen2", "qwen3_moe", "qwen3_vl"]),
+    "tp2sp": ({"tensor_model_parallel_size": 2}, True, ["qwen3", "qwen3_moe"]),
+    "pp2": ({"pipeline_model_parallel_size": 2}, False, ["llama3"]),
+    "cp2": ({"context_parallel_size": 2}, False, ["qwen2", "qwen3_vl"]),
     "ep2": ({"expert_model_parallel_size": 2}, False, ["qwen3_moe"]),
-    "dp2": ({}, False, ["mistral", "qwen2_5_vl"]),
+    "dp2": ({}, False, ["mistral"]),
 }
 TOLERANCE = 1e-5
 # --matrix full: every family under every layout it runs under (the measured table of docs/lora.md)
