@@ -28,12 +28,35 @@ import torch.distributed as dist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
 VL = ["qwen2_5_vl", "qwen3_vl"]
 FAMILIES = TEXT + VL
 RANK, ALPHA = 4, 8.0
 SEQ = 64
 LENGTHS = (7, 13, 5, 10)
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+# The modules the parallel checks adapt: some families a part of each fused layer only (the other parts' rows get
+# no adapter); Qwen3.5 its DeltaNet layers' out_proj and its full-attention layers' o_proj (their gated QKV and
+# DeltaNet input projections are not adapted); the others all-linear.
+PARALLEL_TARGETS = {
+    "llama3": ["q_proj", "v_proj", "up_proj", "down_proj"],
+    "qwen3_moe": ATTENTION,
+    "qwen3_vl": ["k_proj", "o_proj", "gate_proj"],
+    "qwen3_5": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen3_5_moe": ["o_proj", "out_proj"],
+}
+
+
+def prepare(root: Path, families) -> Path:
+    """``root/<family>/source`` and ``root/<family>/peft`` (the adapter of :data:`PARALLEL_TARGETS`) per family: what
+    tests/functional/scripts/lora_parity.py reads."""
+    for family in families:
+        source = write_source(family, root / family / "source")
+        write_peft_adapter(source, root / family / "peft", PARALLEL_TARGETS.get(family, ALL))
+    return root
 
 
 def write_source(family: str, directory: Path) -> Path:

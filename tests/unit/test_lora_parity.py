@@ -27,7 +27,15 @@ TOLERANCE = 1e-5  # relative, fp32
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = ALL[:4]
 # q and v only (PEFT's default for Llama): the fused QKV layer's k rows get no adapter
-TARGETS = {"llama3": ["q_proj", "v_proj", "down_proj"], "qwen3_moe": ATTENTION, "qwen3_vl": ATTENTION}
+# Qwen3.5: its DeltaNet layers' out_proj, its full-attention layers' o_proj (their gated QKV and DeltaNet input
+# projections are not adapted), the MLP
+TARGETS = {
+    "llama3": ["q_proj", "v_proj", "down_proj"],
+    "qwen3_moe": ATTENTION,
+    "qwen3_vl": ATTENTION,
+    "qwen3_5": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen3_5_moe": ["o_proj", "out_proj"],
+}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

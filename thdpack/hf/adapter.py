@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .mapping import GATED, QKV, ROW, Rule
+from .mapping import GATED, QKV, REPLICATED, ROW, VOCAB, Rule
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -59,11 +59,13 @@ VL_TEXT_PREFIX = "model.language_model."  # transformers 5's module path of a VL
 class LoRALayer:
     """One adaptable Megatron layer of a family: ``megatron``, its module path with ``{layer}``; ``layout``:
     ``qkv``, ``gated`` or ``row``; ``modules``: the Hugging Face module paths of its parts, in the layout's order
-    (``model.layers.{layer}.self_attn.q_proj``, ...)."""
+    (``model.layers.{layer}.self_attn.q_proj``, ...); ``layer_type``: the type of the layers that hold it in a
+    model whose layers differ (the rule's), None for every layer."""
 
     megatron: str
     layout: str
     modules: tuple[str, ...]
+    layer_type: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -84,8 +86,25 @@ def lora_layers(mapping: Iterable[Rule]) -> tuple[LoRALayer, ...]:
             and all(h.endswith(".weight") for h in rule.hf)
         ):
             modules = tuple(h.removesuffix(".weight") for h in rule.hf)
-            out.append(LoRALayer(name.removesuffix(".weight"), rule.kind, modules))
+            out.append(LoRALayer(name.removesuffix(".weight"), rule.kind, modules, rule.layer_type))
     return tuple(out)
+
+
+def not_adapted(mapping: Iterable[Rule]) -> list[str]:
+    """The short names of a family's per-layer weights that are neither adaptable nor norms, embeddings or experts:
+    projections of a layout LoRA does not implement (Qwen3.5's gated QKV and DeltaNet input projections), which
+    ``all-linear`` leaves with their weights."""
+    adapted = {n for layer in lora_layers(mapping) for n in layer.names}
+    names = set()
+    for rule in mapping:
+        if (
+            rule.kind in (QKV, GATED, ROW, REPLICATED, VOCAB)
+            or rule.per_expert
+            or "{layer}" not in rule.megatron[0]
+        ):
+            continue
+        names.update(h.removesuffix(".weight").rsplit(".", 1)[-1] for h in rule.hf if h.endswith(".weight"))
+    return sorted(names - adapted)
 
 
 def target_names(layers: Iterable[LoRALayer], wanted, key: str = "peft.target_modules") -> tuple[str, ...]:
@@ -296,10 +315,12 @@ def read_adapter(directory: str | Path, vision_language: bool = False) -> Adapte
     )
 
 
-def check_coverage(adapter: Adapter, layers: Iterable[LoRALayer], num_layers: int) -> tuple[str, ...]:
+def check_coverage(
+    adapter: Adapter, layers: Iterable[LoRALayer], num_layers: int, types: list[str] | None = None
+) -> tuple[str, ...]:
     """The adapter's module names in the family's order, after checking that its weights are exactly those of
-    these names in every one of ``num_layers`` layers (an adapter for another model, or for some layers only, is
-    refused naming a module)."""
+    these names in every one of ``num_layers`` layers that holds them (``types``: each layer's type where they
+    differ; an adapter for another model, or for some layers only, is refused naming a module)."""
     names = target_names(layers, list(adapter.names), key=f"{adapter.directory / ADAPTER_WEIGHTS}'s modules")
     expected = {
         module.format(layer=i)
@@ -307,6 +328,7 @@ def check_coverage(adapter: Adapter, layers: Iterable[LoRALayer], num_layers: in
         for module, name in zip(layer.modules, layer.names, strict=True)
         if name in names
         for i in range(num_layers)
+        if layer.layer_type is None or types is None or types[i] == layer.layer_type
     }
     missing, extra = sorted(expected - set(adapter.weights)), sorted(set(adapter.weights) - expected)
     if missing or extra:

@@ -34,6 +34,7 @@ from thdpack.hf.adapter import (
     lora_layers,
     lora_scale,
     merge_adapters,
+    not_adapted,
     read_adapter,
     read_config,
     target_names,
@@ -71,11 +72,15 @@ def lora_enabled(peft: Mapping | None) -> bool:
     return bool(peft) and peft.get("name", "none") == "lora"
 
 
-def _layers(model: Mapping) -> tuple[tuple[LoRALayer, ...], bool]:
+def _family(model: Mapping):
     from .registry import family_of
 
+    return family_of(HFCheckpoint.open(model["pretrained"]))
+
+
+def _layers(model: Mapping) -> tuple[tuple[LoRALayer, ...], bool]:
     checkpoint = HFCheckpoint.open(model["pretrained"])
-    return lora_layers(family_of(checkpoint).mapping), has_vision(checkpoint.config)
+    return lora_layers(_family(model).mapping), has_vision(checkpoint.config)
 
 
 def resolve_peft(peft: Mapping | None, model: Mapping) -> dict[str, Any]:
@@ -131,6 +136,14 @@ def resolve_peft(peft: Mapping | None, model: Mapping) -> dict[str, Any]:
     if not isinstance(targets, str):
         targets = list(targets)
     out["target_modules"] = list(target_names(layers, targets))
+    left = not_adapted(_family(model).mapping)
+    if left and targets in (ALL_LINEAR, [ALL_LINEAR]):
+        log.warning(
+            "peft.target_modules=all-linear adapts %s of this model; %s keep their weights (LoRA on their fused "
+            "layouts is not implemented)",
+            out["target_modules"],
+            left,
+        )
     if model.get("te_op_fuser") is True and {"gate_proj", "up_proj", "down_proj"} & set(
         out["target_modules"]
     ):
@@ -227,8 +240,10 @@ def apply_peft(module, peft: Mapping, model: Mapping, config, seed: int = 0):
     )
     adapter = None
     if peft.get("from_adapter"):
+        from thdpack.hf.mapping import layer_types
+
         adapter = read_adapter(peft["from_adapter"], vision_language)
-        check_coverage(adapter, layers, config.num_layers)
+        check_coverage(adapter, layers, config.num_layers, layer_types(config))
     chunks = module if isinstance(module, (list, tuple)) else [module]
     trainable = 0
     for chunk in chunks:

@@ -1,6 +1,8 @@
 """LoRA under model and data parallelism computes what PEFT computes.
 
-Run by tests/functional/test_lora_parallel.py as `torchrun --nproc_per_node=2 lora_parity.py --root DIR`. For each
+Run by tests/functional/test_lora_parallel.py as `torchrun --nproc_per_node=2 lora_parity.py --root DIR` (DIR from
+tests.lora_parity.prepare: `python -c "from pathlib import Path; from tests.lora_parity import prepare, FAMILIES;
+prepare(Path('DIR'), FAMILIES)"` for `--matrix full`). For each
 layout (Megatron's parallel state rebuilt in the same processes) and each of its families, every rank runs
 thdpack's product path on a tiny model and a PEFT adapter made once per family (tests/lora_parity.py): the family
 builds its chunk, ``peft.from_adapter`` loads the adapter's slices, ``wrap_model`` (Megatron DDP, distributed
@@ -41,22 +43,23 @@ from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
 LAYOUTS = {
     "tp2": ({"tensor_model_parallel_size": 2}, False, ["llama3", "qwen2_5_vl"]),
     # megatron-core trains a MoE under TP only with sequence parallelism
-    "tp2sp": ({"tensor_model_parallel_size": 2}, True, ["qwen3", "qwen3_moe"]),
+    "tp2sp": ({"tensor_model_parallel_size": 2}, True, ["qwen3_moe", "qwen3_5"]),
     "pp2": ({"pipeline_model_parallel_size": 2}, False, ["llama3"]),
-    "cp2": ({"context_parallel_size": 2}, False, ["qwen2", "qwen3_vl"]),
+    "cp2": ({"context_parallel_size": 2}, False, ["qwen3", "qwen3_vl"]),
     "ep2": ({"expert_model_parallel_size": 2}, False, ["qwen3_moe"]),
-    "dp2": ({}, False, ["mistral"]),
+    "dp2": ({}, False, ["mistral", "qwen2"]),
 }
 TOLERANCE = 1e-5
 # --matrix full: every family under every layout it runs under (the measured table of docs/lora.md)
-TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
 EVERY = [*TEXT, "qwen2_5_vl", "qwen3_vl"]
+MOE = ["qwen3_moe", "qwen3_5_moe"]
 FULL = {
-    "tp2": [f for f in EVERY if f != "qwen3_moe"],  # megatron-core trains a MoE under TP with SP only
+    "tp2": [f for f in EVERY if f not in MOE],  # megatron-core trains a MoE under TP with SP only
     "tp2sp": EVERY,
     "pp2": [*TEXT, "qwen2_5_vl"],  # the tiny Qwen3-VL has 3 layers
-    "cp2": EVERY,
-    "ep2": ["qwen3_moe"],
+    "cp2": [f for f in EVERY if not f.startswith("qwen3_5")],  # gated DeltaNet: no context parallelism
+    "ep2": MOE,
     "dp2": EVERY,
 }
 
