@@ -325,9 +325,9 @@ _ADAPTER_TENSOR = re.compile(
 
 def saved_peft(iteration_dir: str | Path) -> dict | None:
     """The LoRA record (:func:`peft_record`) of a checkpoint, None for a run without LoRA."""
-    from megatron.core import dist_checkpointing
+    from thdpack.megatron.checkpoint_reader import read_common  # tensors and plain data only
 
-    return dist_checkpointing.load_common_state_dict(str(iteration_dir))["thdpack"].get("peft")
+    return (read_common(iteration_dir).get("thdpack") or {}).get("peft")
 
 
 def checkpoint_adapters(iteration_dir: Path, kept: HFCheckpoint) -> dict[str, tuple]:
