@@ -27,15 +27,12 @@ peak memory, syncs of one steady step, the first step's loss on both sides; ``he
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -126,20 +123,7 @@ def run_thdpack(args, shape: dict, hf_dir: Path) -> dict:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        steady = [r for r in records if r["step"] > args.warmup]
-        seconds = sum(r["step_time_s"] for r in steady)
-        profiled = next((r for r in records if "profile_syncs" in r), {})
-        return {
-            "budget": budget,
-            "real_tokens_per_s": sum(r["real_tokens"] for r in steady) / seconds,
-            "step_time_s": seconds / len(steady),
-            "peak_memory_gib": summary.get("peak_memory_gib"),
-            "first_step_loss": records[0]["loss"],
-            "losses": [r["loss"] for r in records],
-            "steady_state_syncs": profiled.get("profile_syncs"),
-            "errors": errors,
-        }
+        return {**vs_hf.run_figures(run_dir, args.warmup, summary, budget), "errors": errors}
     raise RuntimeError(f"thdpack ran at none of the budgets {args.thdpack_budgets}: {errors}")
 
 
@@ -195,58 +179,11 @@ def _peft_at_budget(
     )
     data = build_train_data(cfg.dataset, dp_rank=0, dp_size=1, seed=int(trainer.seed))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses, real, started, syncs = [], 0, None, None
-    for step in range(1, args.warmup + args.steps + 1):
-        rows = [vs_hf.packed_row(b, device) for b in data.next_step()]
-        counted = sum(r["counted"] for r in rows)
-        if step == args.warmup + 1:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-        profiled = device.type == "cuda" and step == args.warmup + 2
-        if profiled:
-            from thdpack.training.profiling import catch_syncs
-
-            context = catch_syncs()
-        else:
-            context = contextlib.nullcontext([])
-        with context as sites:
-            loss = torch.zeros((), device=device)
-            for row in rows:
-                kwargs = {k: row[k] for k in ("input_ids", "position_ids", "shift_labels")}
-                if attention.startswith("varlen"):
-                    kwargs |= {
-                        k: row[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-                    }
-                with autocast:
-                    out = model(
-                        **kwargs, labels=row["shift_labels"], num_items_in_batch=counted, use_cache=False
-                    )
-                out.loss.backward()
-                loss += out.loss.detach()
-            torch.nn.utils.clip_grad_norm_(trained, float(trainer.clip_grad), foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if profiled:
-            syncs = len(sites)
-        if step > args.warmup:
-            real += sum(r["real"] for r in rows)
-        losses.append(loss)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        if step == 1 and cap_gib is not None and peak is not None and peak > cap_gib:
-            return {"error": "over the memory cap", "peak_memory_gib": peak}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
+    result = vs_hf.timed_steps(
+        args, model, trained, optimizer, data, attention, autocast, cap_gib, float(trainer.clip_grad)
+    )
     return {
-        "real_tokens_per_s": real / seconds,
-        "step_time_s": seconds / args.steps,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "first_step_loss": float(losses[0]),
-        "losses": [float(x) for x in losses],
-        "steady_state_syncs": syncs,
+        **result,
         "trainable_parameters": sum(p.numel() for p in trained),
         "adapter_dtype": str(trained[0].dtype),
     }
@@ -261,41 +198,16 @@ def _child(args, name: str, shape_name: str, cap: float | None) -> dict:
         "--alpha", str(args.alpha), "--lr", str(args.lr), "--work", str(args.work),
         *(["--cap-gib", str(cap)] if cap is not None else []), *args.extra,
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-    }
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("LORA_RESULT "):
-            return json.loads(line.removeprefix("LORA_RESULT "))
-    return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"}
+    return vs_hf.run_child(command, "LORA_RESULT ", timeout=3600)
 
 
 def write(args, shape_name: str, shape: dict, thdpack: dict, peers: dict) -> Path:
-    import importlib.metadata as md
-
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    tag = (
-        "h200"
-        if "H200" in device
-        else "h100"
-        if "H100" in device
-        else "gpu"
-        if torch.cuda.is_available()
-        else "cpu"
-    )
+    device, tag = vs_hf.device_tag()
     ran = {k: v for k, v in peers.items() if "real_tokens_per_s" in v}
     fastest = max(ran, key=lambda k: ran[k]["real_tokens_per_s"]) if ran else None
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     versions = {
-        name: version(name)
+        name: vs_hf.package_version(name)
         for name in ("torch", "transformers", "peft", "liger-kernel", "megatron-core", "transformer-engine")
     } | {"python": platform.python_version()}
     payload = {

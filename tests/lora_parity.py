@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.hf_models import parallel_sizes, whole_logits
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
@@ -226,13 +228,7 @@ def thdpack_step(
     runtime = runtime or Runtime("cpu", "fp32", "torch")
     tp = ps.get_tensor_model_parallel_world_size()
     group = model_group(directory, tp, runtime.backend)
-    parallel = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "context_parallel_size": ps.get_context_parallel_world_size(),
-        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        "sequence_parallel": sequence_parallel,
-    }
+    parallel = parallel_sizes(sequence_parallel)
     config = transformer_config(group, parallel, runtime)
     family = get_family(group["family"])
     peft = resolve_peft({"name": "lora", "from_adapter": str(adapter)}, group)
@@ -245,7 +241,7 @@ def thdpack_step(
     )  # fmt: skip
     optimizer, scheduler = build_optimizer(trainer, model, config)
     batch = padded_batch(directory)
-    reports = schedule(model, family, batch)
+    reports = schedule(model, batch, family_step(family))
     loss = None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         from thdpack.megatron.loss import LM_LOSS
@@ -270,25 +266,30 @@ def thdpack_step(
     return Step(loss, grads, logits, group, dtypes)
 
 
-def schedule(model, family, batch, forward_only: bool = False):
+def schedule(model, batch, forward_step, forward_only: bool = False):
+    """Megatron's schedule over the one micro-batch ``batch`` (gradients zeroed first unless ``forward_only``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from thdpack.megatron.batch import BatchConfig
-    from thdpack.megatron.step import make_forward_step
-
-    step = make_forward_step(
-        BatchConfig(transform=family.transform, carry_keys=family.carry_keys), forward=family.forward
-    )
     if not forward_only:
         model.zero_grad_buffer()
     return get_forward_backward_func()(
-        forward_step_func=step,
+        forward_step_func=forward_step,
         data_iterator=iter([batch]),
         model=[model],
         num_microbatches=1,
         seq_length=SEQ,
         micro_batch_size=1,
         forward_only=forward_only,
+    )
+
+
+def family_step(family):
+    """thdpack's forward step for the family (its forward, batch hook and carried keys)."""
+    from thdpack.megatron.batch import BatchConfig
+    from thdpack.megatron.step import make_forward_step
+
+    return make_forward_step(
+        BatchConfig(transform=family.transform, carry_keys=family.carry_keys), forward=family.forward
     )
 
 
@@ -333,11 +334,8 @@ def gather_gradient_shards(model) -> None:
 def step_logits(model, family, batch) -> list[torch.Tensor] | None:
     """The model's logits of each sample (real tokens only) after the step: on the last pipeline stage (gathered
     over TP and CP), None elsewhere."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from thdpack import cp_unshard
     from thdpack.megatron.batch import BatchConfig, get_batch
     from thdpack.megatron.unwrap import unwrap_model
 
@@ -357,25 +355,10 @@ def step_logits(model, family, batch) -> list[torch.Tensor] | None:
         return output, keep
 
     with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([batch]),
-            model=[model],
-            num_microbatches=1,
-            seq_length=SEQ,
-            micro_batch_size=1,
-            forward_only=True,
-        )
+        schedule(model, batch, forward_step, forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    local = captured["logits"]
-    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    logits = torch.cat(parts, dim=-1)
-    if ps.get_context_parallel_world_size() > 1:
-        shards = [torch.empty_like(logits) for _ in range(ps.get_context_parallel_world_size())]
-        dist.all_gather(shards, logits.contiguous(), group=ps.get_context_parallel_group())
-        logits = cp_unshard(shards, torch.tensor(captured["starts"]), dim=1)
+    logits = whole_logits(captured["logits"], captured["starts"])
     starts = captured["starts"]
     return [logits[0, starts[i] : starts[i] + n] for i, n in enumerate(LENGTHS)]
 
