@@ -185,6 +185,37 @@ def test_rslora_adapters_compute_what_peft_computes(tmp_path):
     assert float(loss_sum.detach() / count) == pytest.approx(reference.loss, rel=1e-5)
 
 
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_the_fused_output_loss_trains_the_adapters_as_peft_and_leaves_the_frozen_output_layer_alone(qwen3):
+    from tests.hf_models import megatron_model
+    from tests.lora_parity import relative
+    from thdpack.hf.adapter import peft_key
+    from thdpack.megatron.lora import adapter_modules
+    from thdpack.megatron.output_loss import use_output_loss
+    from thdpack.megatron.step import forward_step
+    from thdpack.models.lora import apply_peft
+
+    source, adapter = qwen3
+    batch = padded_batch(300, seed=1)
+    reference = peft_reference(source, adapter, batch)
+    group = model_group(source, tp=1)
+    model = megatron_model(source).train()
+    use_output_loss(model, "chunked", chunk_tokens=7)  # never builds the whole [tokens, vocab] logits
+    apply_peft(
+        model, resolve_peft({"name": "lora", "from_adapter": str(adapter)}, group), group, model.config
+    )
+    output, loss_func = forward_step(iter([batch]), model)
+    loss_sum, count, _ = loss_func(output)
+    (loss_sum / count).backward()
+    assert float(loss_sum.detach() / count) == pytest.approx(reference.loss, rel=1e-5)
+    for _, branch in adapter_modules(model):
+        for part, key in zip(branch.parts, branch.keys, strict=True):
+            if part is not None:
+                assert relative(branch.lora_A[part].grad, reference.grads[peft_key(key, "A")]) < 1e-5
+                assert relative(branch.lora_B[part].grad, reference.grads[peft_key(key, "B")]) < 1e-5
+    assert model.output_layer.weight.grad is None
+
+
 # ------------------------------------------------------------------------------------------ TE's output forms
 
 
