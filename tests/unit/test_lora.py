@@ -216,6 +216,41 @@ def test_the_fused_output_loss_trains_the_adapters_as_peft_and_leaves_the_frozen
     assert model.output_layer.weight.grad is None
 
 
+@pytest.mark.usefixtures("one_rank_megatron")
+def test_full_activation_recomputation_still_trains_the_first_layers_adapters(qwen3):
+    from tests.lora_parity import relative
+    from thdpack.hf.adapter import peft_key
+    from thdpack.megatron.config import transformer_config
+    from thdpack.megatron.lora import adapter_modules
+    from thdpack.megatron.runtime import Runtime
+    from thdpack.megatron.step import forward_step
+    from thdpack.models import get_family, pretrained_model_group
+    from thdpack.models.lora import apply_peft
+
+    source, adapter = qwen3
+    batch = padded_batch(300, seed=1)
+    reference = peft_reference(source, adapter, batch)
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    recipe = {"pretrained": str(source), "attention_backend": "torch", "config": recompute}
+    group = pretrained_model_group(recipe, seq_length=64, tp=1)
+    parallel = dict.fromkeys(
+        ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"), 1
+    ) | {"expert_model_parallel_size": 1}
+    runtime = Runtime("cpu", "fp32", "torch")
+    config = transformer_config(group, parallel, runtime)
+    model = get_family(group["family"]).build(group, config, group["vocab_size"], 64, runtime)
+    apply_peft(model, resolve_peft({"name": "lora", "from_adapter": str(adapter)}, group), group, config)
+    output, loss_func = forward_step(iter([batch]), model)
+    loss_sum, count, _ = loss_func(output)
+    (loss_sum / count).backward()
+    first = [b for name, b in adapter_modules(model) if name.startswith("decoder.layers.0.")]
+    assert first
+    for branch in first:
+        for part, key in zip(branch.parts, branch.keys, strict=True):
+            if part is not None:
+                assert relative(branch.lora_A[part].grad, reference.grads[peft_key(key, "A")]) < 1e-5
+
+
 # ------------------------------------------------------------------------------------------ TE's output forms
 
 
