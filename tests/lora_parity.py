@@ -30,7 +30,7 @@ from tests.hf_models import parallel_sizes, whole_logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
+TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "gpt_oss"]
 VL = ["qwen2_5_vl", "qwen3_vl"]
 FAMILIES = TEXT + VL
 RANK, ALPHA = 4, 8.0
@@ -48,7 +48,8 @@ PARALLEL_TARGETS = {
     "qwen3_moe": ATTENTION,
     "qwen3_vl": ["k_proj", "o_proj", "gate_proj"],
     "qwen3_5": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen3_5_moe": ["o_proj", "out_proj"],
+    "qwen3_5_moe": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],  # its shared expert's MLP
+    "gpt_oss": ["q_proj", "v_proj", "o_proj"],
 }
 
 

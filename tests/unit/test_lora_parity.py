@@ -34,7 +34,8 @@ TARGETS = {
     "qwen3_moe": ATTENTION,
     "qwen3_vl": ATTENTION,
     "qwen3_5": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen3_5_moe": ["o_proj", "out_proj"],
+    "qwen3_5_moe": ["o_proj", "out_proj", "down_proj"],  # down_proj: its shared expert's
+    "gpt_oss": ATTENTION,  # its MLP is all experts
 }
 
 

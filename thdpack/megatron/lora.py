@@ -312,6 +312,23 @@ def _with_adapter(adapter: LoRAAdapter):
     return hook
 
 
+def _before_post_norm(base: nn.Module, adapter: LoRAAdapter) -> None:
+    """A projection followed by its own output norm (``post_layernorm``: Gemma 3's sandwich norms,
+    :mod:`thdpack.megatron.post_norm`) returns the norm of its output: the branch joins the projection's output
+    before that norm, as PEFT's branch joins ``o_proj``'s before transformers' ``post_attention_layernorm``."""
+    inputs = {}
+
+    def keep_input(module, args):
+        inputs["x"] = args[0]
+
+    def add_branch(module, args):
+        out = args[0]
+        return (out + adapter(inputs.pop("x")).to(out.dtype), *args[1:])
+
+    base.register_forward_pre_hook(keep_input)
+    base.post_layernorm.register_forward_pre_hook(add_branch)
+
+
 def add_lora(
     gpt: nn.Module, targets: Iterable[LoRATarget], settings: LoRASettings, config
 ) -> list[LoRAAdapter]:
@@ -331,7 +348,10 @@ def add_lora(
         adapter = LoRAAdapter(base, target, settings, config)
         adapter.initialize(settings.seed)
         setattr(parent, name + ADAPTER_SUFFIX, adapter)
-        base.register_forward_hook(_with_adapter(adapter))
+        if isinstance(getattr(base, "post_layernorm", None), nn.Module):
+            _before_post_norm(base, adapter)
+        else:
+            base.register_forward_hook(_with_adapter(adapter))
         adapters.append(adapter)
     if config.recompute_granularity == "full" and getattr(gpt, "pre_process", False):
         _decoder_input_requires_grad(gpt)

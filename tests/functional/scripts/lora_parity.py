@@ -41,7 +41,7 @@ from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
 
 # name: (parallel sizes, sequence parallel, the families CI checks: each family under one or two layouts)
 LAYOUTS = {
-    "tp2": ({"tensor_model_parallel_size": 2}, False, ["llama3", "qwen2_5_vl"]),
+    "tp2": ({"tensor_model_parallel_size": 2}, False, ["llama3", "gemma3", "qwen2_5_vl"]),
     # megatron-core trains a MoE under TP only with sequence parallelism
     "tp2sp": ({"tensor_model_parallel_size": 2}, True, ["qwen3_moe", "qwen3_5"]),
     "pp2": ({"pipeline_model_parallel_size": 2}, False, ["llama3"]),
@@ -51,12 +51,13 @@ LAYOUTS = {
 }
 TOLERANCE = 1e-5
 # --matrix full: every family under every layout it runs under (the measured table of docs/lora.md)
-TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
+TEXT = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "gpt_oss"]
 EVERY = [*TEXT, "qwen2_5_vl", "qwen3_vl"]
-MOE = ["qwen3_moe", "qwen3_5_moe"]
+MOE = ["qwen3_moe", "qwen3_5_moe", "gpt_oss"]
+TP = [f for f in EVERY if f != "gpt_oss"]  # gpt-oss's expert biases: TP 1 only (its family refuses TP > 1)
 FULL = {
-    "tp2": [f for f in EVERY if f not in MOE],  # megatron-core trains a MoE under TP with SP only
-    "tp2sp": EVERY,
+    "tp2": [f for f in TP if f not in MOE],  # megatron-core trains a MoE under TP with SP only
+    "tp2sp": TP,
     "pp2": [*TEXT, "qwen2_5_vl"],  # the tiny Qwen3-VL has 3 layers
     "cp2": [f for f in EVERY if not f.startswith("qwen3_5")],  # gated DeltaNet: no context parallelism
     "ep2": MOE,
