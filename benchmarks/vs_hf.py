@@ -237,25 +237,32 @@ def run_thdpack(args, shape: dict, hf_dir: Path) -> dict:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        steady = [r for r in records if r["step"] > args.warmup]
-        seconds = sum(r["step_time_s"] for r in steady)
-        profiled = next((r for r in records if "profile_syncs" in r), {})
         return {
-            "budget": budget,
-            "real_tokens_per_s": sum(r["real_tokens"] for r in steady) / seconds,
-            "tflops": sum(r["model_flops"] for r in steady) / seconds / 1e12,
-            "timed_model_flops": sum(r["model_flops"] for r in steady),
-            "step_time_s": seconds / len(steady),
-            "peak_memory_gib": summary.get("peak_memory_gib"),
-            "first_step_loss": records[0]["loss"],
-            "losses": [r["loss"] for r in records],
-            "steady_state_syncs": profiled.get("profile_syncs"),
-            "sync_sites": profiled.get("profile_sync_sites"),
+            **run_figures(run_dir, args.warmup, summary, budget),
             "output_loss": resolve_output_loss(cfg.model, "cuda" if torch.cuda.is_available() else "cpu"),
             "errors": errors,
         }
     raise RuntimeError(f"thdpack ran at none of the budgets {args.thdpack_budgets}: {errors}")
+
+
+def run_figures(run_dir: Path, warmup: int, summary: dict, budget: int) -> dict:
+    """A thdpack run's steady-state figures from its ``metrics.jsonl`` (the steps after ``warmup``)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if r["step"] > warmup]
+    seconds = sum(r["step_time_s"] for r in steady)
+    profiled = next((r for r in records if "profile_syncs" in r), {})
+    return {
+        "budget": budget,
+        "real_tokens_per_s": sum(r["real_tokens"] for r in steady) / seconds,
+        "tflops": sum(r["model_flops"] for r in steady) / seconds / 1e12,
+        "timed_model_flops": sum(r["model_flops"] for r in steady),
+        "step_time_s": seconds / len(steady),
+        "peak_memory_gib": summary.get("peak_memory_gib"),
+        "first_step_loss": records[0]["loss"],
+        "losses": [r["loss"] for r in records],
+        "steady_state_syncs": profiled.get("profile_syncs"),
+        "sync_sites": profiled.get("profile_sync_sites"),
+    }
 
 
 # --- transformers' runs ---------------------------------------------------------------------------------------
@@ -378,6 +385,20 @@ def _hf_at_budget(
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=precision == "autocast" and device.type == "cuda"
     )
+    clip = float(trainer.clip_grad)
+    result = timed_steps(
+        args, model, list(model.parameters()), optimizer, data, attention, autocast, cap_gib, clip
+    )
+    return {**result, "attn_implementation": implementation, "dtype": str(dtype)}
+
+
+def timed_steps(
+    args, model, trained, optimizer, data, attention: str, autocast, cap_gib, clip: float
+) -> dict:
+    """transformers' training steps on thdpack's micro-batches as packed rows: ``--warmup`` steps, then ``--steps``
+    timed ones; the gradients of ``trained`` clipped at ``clip``; the syncs of the second timed step. Stops after
+    the first step when the peak memory passes ``cap_gib``. Shared with ``lora_vs_peft.py``."""
+    device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, real, started, syncs = [], 0, None, None
@@ -411,7 +432,7 @@ def _hf_at_budget(
                     )
                 out.loss.backward()
                 loss += out.loss.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(trainer.clip_grad), foreach=True)
+            torch.nn.utils.clip_grad_norm_(trained, clip, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if profiled:
@@ -434,8 +455,6 @@ def _hf_at_budget(
         "first_step_loss": float(losses[0]),
         "losses": [float(x) for x in losses],
         "steady_state_syncs": syncs,
-        "attn_implementation": implementation,
-        "dtype": str(dtype),
     }
 
 
@@ -521,14 +540,20 @@ def _child(args, name: str, cap: float | None) -> dict:
         *(["--cap-gib", str(cap)] if cap is not None else []),
         *args.extra,
     ]
+    return run_child(command, "VS_HF_RESULT ", timeout=1800)
+
+
+def run_child(command: list[str], marker: str, timeout: float) -> dict:
+    """Run a child benchmark process (this checkout first on the path); its result: the JSON after ``marker`` on the
+    last line that starts with it, or the error."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("VS_HF_RESULT "):
-            return json.loads(line.removeprefix("VS_HF_RESULT "))
+        if line.startswith(marker):
+            return json.loads(line.removeprefix(marker))
     return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"}
 
 
@@ -548,25 +573,26 @@ def _short(result: dict) -> str:
     )
 
 
-def write(args, shape: dict, thdpack: dict, hf: dict) -> None:
+def package_version(name: str) -> str | None:
     import importlib.metadata as md
 
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
 
+
+def device_tag() -> tuple[str, str]:
+    """``(device name, short tag for file names: h200, h100, gpu or cpu)``."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    tag = (
-        "h200"
-        if "H200" in device
-        else "h100"
-        if "H100" in device
-        else "cpu"
-        if not torch.cuda.is_available()
-        else "gpu"
-    )
+    if not torch.cuda.is_available():
+        return device, "cpu"
+    return device, "h200" if "H200" in device else "h100" if "H100" in device else "gpu"
+
+
+def write(args, shape: dict, thdpack: dict, hf: dict) -> None:
+    version = package_version
+    device, tag = device_tag()
     ran = {k: v for k, v in hf.items() if "real_tokens_per_s" in v}
     fastest = max(ran, key=lambda k: ran[k]["real_tokens_per_s"]) if ran else None
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -302,13 +302,7 @@ def megatron_model(
     group = pretrained_model_group(
         {"pretrained": str(directory), "attention_backend": "torch"}, seq_length=seq_length, tp=tp
     )
-    parallel = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "context_parallel_size": ps.get_context_parallel_world_size(),
-        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        "sequence_parallel": sequence_parallel,
-    }
+    parallel = parallel_sizes(sequence_parallel)
     runtime = Runtime("cpu", "fp32", "torch")
     config = transformer_config(group, parallel, runtime)
     family = get_family(group["family"])
@@ -355,3 +349,35 @@ def write_config(directory: Path, config: dict):
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return HFCheckpoint.open(directory)
+
+
+def parallel_sizes(sequence_parallel: bool = False) -> dict:
+    """This rank's Megatron layout (its parallel state must be initialised) as a recipe's ``parallel`` group."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "sequence_parallel": sequence_parallel,
+    }
+
+
+def whole_logits(local: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """A last pipeline stage's logits ``[1, t, V / tp]`` as the whole row's ``[1, T, V]``: gathered over TP (the
+    vocabulary) and CP (each CP rank holds its zigzag chunks of every sample; ``starts``: the samples' physical
+    starts, ``cu_seqlens_q_padded``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from thdpack import cp_unshard
+
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    logits = torch.cat(parts, dim=-1)
+    if ps.get_context_parallel_world_size() > 1:
+        shards = [torch.empty_like(logits) for _ in range(ps.get_context_parallel_world_size())]
+        dist.all_gather(shards, logits.contiguous(), group=ps.get_context_parallel_group())
+        logits = cp_unshard(shards, torch.tensor(starts), dim=1)
+    return logits

@@ -38,6 +38,16 @@ def test_vs_hf_smoke_gives_the_same_first_step_loss_on_both_sides(tmp_path):
 
 
 @pytest.mark.cpu_only
+def test_lora_vs_peft_smoke_starts_both_sides_from_the_same_loss(tmp_path):
+    payload = json.loads(_run("lora_vs_peft.py", tmp_path, "--work", str(tmp_path / "work")).read_text())
+    assert payload["headline"]["fastest_peft_config"] == "sdpa"
+    assert payload["headline"]["speedup_vs_fastest_peft"] > 0
+    assert payload["versions"]["peft"]
+    # B starts at zero on both sides: the first step's loss is the base model's, to rounding (fp32, CPU)
+    assert abs(payload["peft"]["sdpa"]["first_step_loss_diff"]) < 1e-5
+
+
+@pytest.mark.cpu_only
 def test_output_loss_smoke_matches_megatrons_loss(tmp_path):
     payload = json.loads(_run("output_loss.py", tmp_path).read_text())
     (row,) = payload["results"].values()

@@ -52,6 +52,7 @@ from .checkpoint_reader import (
     read_dcp_metadata,
 )
 from .host_group import all_gather_host
+from .lora import adapter_modules, check_loaded_keys, trainable_state
 from .models import unwrap_model
 from .parallel_layout import OPTIMIZER_FORMATS, ParallelLayout, check_resumable
 
@@ -352,7 +353,7 @@ def load_checkpoint(
         keys = _recipe_differences(saved_recipe, model_recipe, "model")
         raise ValueError(f"{path}: {error}" + (f" (the keys that differ: {keys})" if keys else "")) from None
     check_extra_states(loaded["model"], path)
-    unwrap_model(model).load_state_dict(loaded["model"])
+    _load_model_state(unwrap_model(model), loaded["model"], path)
     with torch.no_grad(), _torch_adam_step_kept(optimizer):  # fp32 main parameters are views of the model's
         optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(optimizer, loaded["optimizer"])
@@ -369,6 +370,16 @@ def load_checkpoint(
             seed + iteration,
         )
     return dict(loaded["thdpack"])
+
+
+def _load_model_state(module, state: Mapping[str, Any], path: Path) -> None:
+    """The loaded model tensors into ``module``: all of them, or under LoRA the adapters (and buffers), every
+    other key being a frozen base parameter (:func:`thdpack.megatron.lora.check_loaded_keys`)."""
+    if not adapter_modules(module):
+        module.load_state_dict(state)
+        return
+    result = module.load_state_dict(state, strict=False)
+    check_loaded_keys(result.missing_keys, result.unexpected_keys, module, str(path))
 
 
 def _check_shapes(model_state, path: Path, saved_recipe, recipe) -> None:
@@ -487,7 +498,10 @@ def _sharded_state(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     # The bare GPTModel's keys (no DDP / Float16Module prefixes), as Megatron-LM saves them.
-    model_state = unwrap_model(model).sharded_state_dict()
+    module = unwrap_model(model)
+    model_state = module.sharded_state_dict()
+    if adapter_modules(module):  # LoRA: what training changes; the frozen base is the run's model.pretrained
+        model_state = trainable_state(model_state, module)
     # Without its own gather on the CPU the default (every rank gathers) moves the state to CUDA first; the
     # memory-efficient gather holds the whole state on each data-parallel group's first rank only.
     metadata = {

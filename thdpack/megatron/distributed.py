@@ -39,7 +39,9 @@ def fuse_te_wgrad_accumulation(module) -> None:
 
     for layer in module.modules():
         te_layer = isinstance(layer, TransformerEngineBaseModule) and not isinstance(layer, GroupedLinear)
-        if te_layer and hasattr(layer, "fuse_wgrad_accumulation"):
+        # a frozen layer (LoRA's base) has no weight gradient and no main_grad to accumulate into
+        trained = any(p.requires_grad for p in layer.parameters(recurse=False))
+        if te_layer and trained and hasattr(layer, "fuse_wgrad_accumulation"):
             layer.fuse_wgrad_accumulation = True
 
 

@@ -37,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .delta_rule import causal_conv1d, chunk_gated_delta_rule, packed_gated_delta_rule, segment_offsets
+from .lora import ADAPTER_SUFFIX
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetSubmodules", "fla_chunk_gated_delta_rule"]
 
@@ -208,6 +209,9 @@ class GatedDeltaNet(MegatronModule):
                     getattr(self, name), f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group
                 )
             )
+        for name, child in self.named_children():  # a LoRA adapter beside a projection shards itself
+            if name.endswith(ADAPTER_SUFFIX):
+                state.update(child.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
         return state
 
 

@@ -165,7 +165,11 @@ def _chunked(hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, 
     padded_from = None if limit is None or limit >= start + vocab else max(0, limit - start)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs_grad else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
+    # a frozen output layer (LoRA's base) needs no [vocab, hidden] fp32 accumulator, nor its GEMMs
+    weight_grad = needs_grad and weight.requires_grad
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
+    )
     for begin in range(0, n, chunk_tokens):
         end = min(begin + chunk_tokens, n)
         h = hidden[begin:end]
@@ -188,7 +192,8 @@ def _chunked(hidden, weight, labels, weights, tp_group, chunk_tokens, compiled, 
             del logits
             torch.mm(grad_logits, weight, out=grad_hidden[begin:end])
             # rows that do not count hold zero gradients, but 0 x inf is NaN: their hidden states leave the sum too
-            _accumulate_weight_grad(grad_weight, grad_logits, torch.where(w[:, None] != 0, h, 0.0))
+            if weight_grad:
+                _accumulate_weight_grad(grad_weight, grad_logits, torch.where(w[:, None] != 0, h, 0.0))
     return losses, grad_hidden, grad_weight
 
 

@@ -1,4 +1,5 @@
-"""A thdpack training checkpoint as a Hugging Face directory: ``python -m thdpack.export CHECKPOINT_DIR OUT_DIR``.
+"""A thdpack training checkpoint as a Hugging Face directory: ``python -m thdpack.export CHECKPOINT_DIR OUT_DIR``
+(a LoRA run's: merged into its base, or ``--adapter``: PEFT's adapter directory, :mod:`thdpack.models.lora`).
 
 The export reads the model's tensors straight from the distributed checkpoint with ``torch.distributed.checkpoint``
 (:mod:`thdpack.hf.dist_checkpoint`: whole tensors whatever tensor, pipeline, context and expert parallel layout
@@ -39,9 +40,24 @@ def export_checkpoint(
     out_dir: str | Path,
     iteration: int | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    adapter: bool = False,
+    base: str | Path | None = None,
 ) -> Path:
-    """Export ``checkpoint`` (a run's checkpoint.dir or one of its iteration directories) to ``out_dir``."""
+    """Export ``checkpoint`` (a run's checkpoint.dir or one of its iteration directories) to ``out_dir``. A LoRA
+    run's (:mod:`thdpack.models.lora`): merged into its base (``base``: the base's directory when it moved), or
+    with ``adapter`` its PEFT adapter directory alone."""
+    from .lora import export_adapter, export_merged, saved_peft
+
     iteration_dir, hf_dir = resolve_checkpoint(checkpoint, iteration)
+    if saved_peft(iteration_dir) is not None:
+        if adapter:
+            return export_adapter(iteration_dir, hf_dir, out_dir)
+        return export_merged(iteration_dir, hf_dir, out_dir, base, max_shard_bytes)
+    if adapter or base is not None:
+        raise ValueError(
+            f"{iteration_dir} is a full fine-tune's checkpoint (no LoRA adapters): --adapter and --base are for "
+            "runs with peft=lora; export it without them"
+        )
     kept = HFCheckpoint.open(hf_dir)
     tensors = family_of(kept).export(iteration_dir, kept)
     return write_hf_directory(out_dir, tensors, kept.config, hf_dir, max_shard_bytes)
@@ -142,13 +158,26 @@ def main(argv: list[str] | None = None) -> None:
         "--iteration", type=int, default=None, help="export this iteration instead of the latest"
     )
     parser.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run (peft=lora): write its PEFT adapter directory (adapter_config.json, "
+        "adapter_model.safetensors) instead of the model merged with it",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="a LoRA run: its base model's directory, where it is no longer at the run's model.pretrained",
+    )
     args = parser.parse_args(argv)
     # megatron-core without Apex/TE on CPU, and torch's renamed collectives: expected, not news
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning)
     max_shard_bytes = int(args.max_shard_gib * 2**30)
     try:  # no such checkpoint, an occupied out_dir, a run without a Hugging Face model, ...
-        out = export_checkpoint(args.checkpoint, args.out_dir, args.iteration, max_shard_bytes)
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, args.iteration, max_shard_bytes, args.adapter, args.base
+        )
     except (OSError, ValueError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(f"exported {args.checkpoint} to {out}")

@@ -99,9 +99,10 @@ class RunCheckpoints:
         from thdpack.megatron.models import unwrap_model
 
         cfg = self.run.cfg
-        need = checkpoint_bytes(
-            cfg.model, int(unwrap_model(self.run.model).vocab_size), self.run.runtime.precision
-        )
+        module = unwrap_model(self.run.model)
+        need = checkpoint_bytes(cfg.model, int(module.vocab_size), self.run.runtime.precision)
+        if self.peft is not None:  # LoRA: the adapters and their optimizer state, not the frozen base
+            need = sum(p.numel() for p in module.parameters() if p.requires_grad) * (4 + OPTIMIZER_BYTES)
         free = shutil.disk_usage(self.directory).free
         if free < need:
             log.warning(
@@ -124,9 +125,20 @@ class RunCheckpoints:
         }
         return {"model": _plain(cfg.model), "dataset": dataset}
 
+    @functools.cached_property
+    def peft(self) -> dict[str, Any] | None:
+        """A LoRA run's adapters and base, as its checkpoints record them (:func:`thdpack.models.lora.peft_record`);
+        None without LoRA."""
+        from thdpack.models.lora import lora_enabled, peft_record
+
+        cfg = self.run.cfg
+        return peft_record(cfg.peft, cfg.model) if lora_enabled(cfg.get("peft")) else None
+
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; return its iteration (0: none)."""
         from thdpack.megatron.checkpoint import choose_resume, load_checkpoint
+        from thdpack.megatron.checkpoint_reader import read_common
+        from thdpack.models.lora import check_resume
 
         run = self.run
         try:
@@ -143,6 +155,8 @@ class RunCheckpoints:
                         "%s has no manifest.json (an older thdpack's): its files are not checked", point.path
                     )
             recipe = self.recipe
+            # a LoRA checkpoint holds adapters that mean something on their own settings and base only
+            check_resume(read_common(point.path)["thdpack"], self.peft, str(point.path))
             state = load_checkpoint(
                 self.directory,
                 point.iteration,
@@ -211,6 +225,8 @@ class RunCheckpoints:
             return True
         run = self.run
         extra = {"data": run.data.state_dict(), "recipe": self.recipe}
+        if self.peft is not None:
+            extra["peft"] = self.peft
         save_checkpoint(
             self.directory,
             iteration,

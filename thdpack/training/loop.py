@@ -165,6 +165,7 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.runtime import init_distributed, resolve_runtime
     from thdpack.megatron.step import StepConfig, make_forward_step
     from thdpack.models import get_family
+    from thdpack.models.lora import apply_peft, lora_enabled
 
     _setup_logging()
     cfg = resolve_recipe(cfg)
@@ -220,6 +221,8 @@ def setup_run(cfg: DictConfig) -> Run:
         cfg.checkpoint.dir, vocab_size, tp, cfg.model.get("vocab_size") is not None
     )
     module = family.build(cfg.model, config, vocab_size, int(data_cfg.seq_length), runtime)
+    if lora_enabled(cfg.get("peft")):  # adapters on the loaded weights, the base frozen, before DDP sees them
+        module = apply_peft(module, cfg.peft, cfg.model, config, seed=int(trainer.seed))
     model = wrap_model(
         module,
         config,

@@ -8,7 +8,8 @@ The estimate, per process (the largest pipeline stage):
   experts over EP;
 * bytes per parameter under Megatron's DDP with fp32 gradient buffers and the distributed optimizer: weights
   (2 in bf16, 4 in fp32) + gradients (4) + optimizer states sharded over the data-parallel ranks (Adam's two
-  moments, 8, and in bf16 the fp32 main weights, 4): ``6 + 12 / dp`` bytes in bf16, ``8 + 8 / dp`` in fp32;
+  moments, 8, and in bf16 the fp32 main weights, 4): ``6 + 12 / dp`` bytes in bf16, ``8 + 8 / dp`` in fp32; under
+  LoRA (``peft=lora``) gradients and optimizer states of the adapters only, the frozen base its weights alone;
 * activations, a rough figure: per token and layer the tensors a layer keeps for its backward (the inputs of the
   norms and projections, q/k/v, the attention output, the MLP's hidden activations; no attention-score matrix:
   the attention kernels are flash-style), for the micro-batches a pipeline stage holds at once;
@@ -107,6 +108,26 @@ def parameter_count(model: Mapping, vocab_size: int) -> ParameterCount:
     )
 
 
+def lora_layer_parameters(model: Mapping, peft: Mapping) -> int:
+    """The LoRA adapters' parameters of one layer: ``rank x (in + out)`` of each adapted module
+    (``peft.target_modules``, resolved) of a Llama-like layer; MoE layers have no adapted MLP."""
+    c = model.get("config") or {}
+    h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    groups = int(c.get("num_query_groups") or heads)
+    head_dim = int(c.get("kv_channels") or h // heads)
+    ffn = 0 if c.get("num_moe_experts") else int(c.get("ffn_hidden_size") or 4 * h)
+    sizes = {
+        "q_proj": h + heads * head_dim,
+        "k_proj": h + groups * head_dim,
+        "v_proj": h + groups * head_dim,
+        "o_proj": heads * head_dim + h,
+        "gate_proj": (h + ffn) if ffn else 0,
+        "up_proj": (h + ffn) if ffn else 0,
+        "down_proj": (ffn + h) if ffn else 0,
+    }
+    return int(peft["rank"]) * sum(sizes.get(name, h + h) for name in peft["target_modules"])
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """One process's memory in bytes (its largest pipeline stage), by what holds it."""
@@ -176,6 +197,12 @@ def estimate_memory(
     weight_bytes = 2 if precision in ("bf16", "fp8") else 4  # fp8: bf16 weights, FP8 only inside the GEMMs
     state_bytes = 12 if weight_bytes == 2 else 8  # (fp32 main weights +) Adam's two moments
     optimizer = state_bytes * (dense / dp + experts / expert_dp)
+    trained = params
+    peft = cfg.get("peft") or {}
+    if peft.get("name") == "lora":  # the base frozen: gradients and optimizer states of the adapters only
+        trained = layers * lora_layer_parameters(model, peft) / tp
+        params += trained
+        optimizer = state_bytes * trained / dp
 
     tokens = _micro_batch_tokens(dataset)
     if data_tokens is not None:
@@ -208,7 +235,7 @@ def estimate_memory(
     return MemoryEstimate(
         parameters=int(params),
         weights=params * weight_bytes,
-        gradients=params * 4,
+        gradients=trained * 4,
         optimizer=optimizer,
         activations=activations,
         logits=logits,

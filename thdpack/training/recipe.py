@@ -15,6 +15,7 @@ from thdpack.data.loader import micro_batch_tokens
 from thdpack.megatron.fused_mlp import resolve_te_op_fuser
 from thdpack.megatron.output_loss import resolve_output_loss
 from thdpack.megatron.runtime import resolve_runtime
+from thdpack.models.lora import lora_enabled, resolve_peft
 
 from .config_error import ConfigError
 from .recipe_keys import check_keys, recipes_dir
@@ -45,7 +46,10 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
       (:mod:`thdpack.models`), expanded first: every setting below reads it;
     - ``dataset.micro_batch_tokens``: an int or null (:func:`thdpack.data.loader.micro_batch_tokens`; ``fit``:
       :func:`thdpack.training.token_budget.fit_micro_batch_tokens` for this GPU);
-    - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``).
+    - ``dataset.mrope``: whether the collator emits MRoPE ids (``model.position_embedding_type == "mrope"``);
+    - ``peft``: ``{"name": "none"}`` or every LoRA key set (:func:`thdpack.models.lora.resolve_peft`: nulls from
+      ``peft.from_adapter``'s adapter or the defaults); ``model.te_op_fuser`` ``auto`` is false under LoRA (the
+      adapters hang on the MLP's linear layers, which the fused MLP never calls).
 
     Raises :class:`~thdpack.training.checks.ConfigError` for a key that is not a recipe key (named with the
     closest one: :func:`thdpack.training.recipe_keys.check_keys`) and for a value that has no meaning.
@@ -81,8 +85,15 @@ def resolve_recipe(cfg: DictConfig, device: str | None = None) -> DictConfig:
         out.trainer.precision = runtime.precision
         out.model.attention_backend = runtime.backend
         out.model.family = out.model.get("family", "gpt")
+        lora = lora_enabled(cfg.get("peft"))
+        if lora and out.model.get("te_op_fuser") == "auto":
+            out.model.te_op_fuser = False
         if "te_op_fuser" in out.model:
             out.model.te_op_fuser = resolve_te_op_fuser(out.model, out.trainer, runtime.backend)
+        try:
+            out.peft = resolve_peft(cfg.get("peft"), out.model)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
         if (
             fit
         ):  # the largest budget the measured memory model fits on this GPU (thdpack.training.token_budget)

@@ -22,6 +22,7 @@ _DEFAULTS = {
     "dataset": "embedded",
     "parallel": "default",
     "trainer": "default",
+    "peft": "none",
 }
 
 

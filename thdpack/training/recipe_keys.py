@@ -29,7 +29,7 @@ __all__ = [
     "unknown_key_error",
 ]
 
-GROUPS = ("model", "dataset", "parallel", "trainer")
+GROUPS = ("model", "dataset", "parallel", "trainer", "peft")
 
 # Keys thdpack reads with a default that no shipped recipe file sets (a tree like the schema's; None = a leaf).
 OPTIONAL_KEYS = {

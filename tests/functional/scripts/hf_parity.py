@@ -41,8 +41,8 @@ from tests.hf_models import (  # noqa: E402
     hf_loss,
     megatron_model,
     padded_batch,
+    whole_logits,
 )
-from thdpack import cp_unshard  # noqa: E402
 from thdpack.megatron.batch import BatchConfig, get_batch  # noqa: E402
 from thdpack.megatron.cpu import initialize_model_parallel_cpu  # noqa: E402
 from thdpack.megatron.loss import LM_LOSS  # noqa: E402
@@ -101,15 +101,7 @@ def packed_logits(model, batch):
         schedule(model, batch, forward_step)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None, None
-    local = captured["logits"]
-    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    logits = torch.cat(parts, dim=-1)
-    if ps.get_context_parallel_world_size() > 1:  # each CP rank holds its zigzag chunks of every sample
-        shards = [torch.empty_like(logits) for _ in range(ps.get_context_parallel_world_size())]
-        dist.all_gather(shards, logits.contiguous(), group=ps.get_context_parallel_group())
-        logits = cp_unshard(shards, torch.tensor(captured["starts"]), dim=1)
-    return logits, captured["starts"]
+    return whole_logits(captured["logits"], captured["starts"]), captured["starts"]
 
 
 def check(layout: str, family: str, directory: Path, sequence_parallel: bool) -> None:
