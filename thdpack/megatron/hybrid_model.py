@@ -23,7 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from .models import gpt_layer_spec
+from .models import check_te_op_fuser_model, gpt_layer_spec, stage_ends
 
 __all__ = ["LAYER_TYPES", "build_hybrid_model", "hybrid_layer_specs"]
 
@@ -121,20 +121,13 @@ def build_hybrid_model(
     ``config.num_layers``). ``pre_process`` / ``post_process`` default to this rank's pipeline stage;
     ``model_kwargs`` go to ``GPTModel`` (``rotary_percent``, ``rotary_base``, ``share_embeddings_and_output_weights``,
     ``pg_collection``...); ``te_op_fuser``: the dense MLP as TE's fused operations (TE backend)."""
-    if te_op_fuser and (backend != "te" or config.num_moe_experts):
-        raise ValueError("te_op_fuser needs the TE backend and a dense MLP (no num_moe_experts)")
+    check_te_op_fuser_model(config, backend, te_op_fuser)
     bad = sorted(set(layer_types) - set(LAYER_TYPES))
     if bad or len(layer_types) != config.num_layers:
         raise ValueError(
             f"layer_types {list(layer_types)}: one of {list(LAYER_TYPES)} per layer ({config.num_layers} layers)"
         )
-    if pre_process is None or post_process is None:
-        from megatron.core import parallel_state
-
-        if pre_process is None:
-            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-        if post_process is None:
-            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    pre_process, post_process = stage_ends(pre_process, post_process)
     spec = _block_spec(
         config,
         layer_types,

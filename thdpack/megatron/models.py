@@ -78,6 +78,24 @@ def torch_block_spec(
     )
 
 
+def check_te_op_fuser_model(config, backend: str, te_op_fuser: bool) -> None:
+    """``te_op_fuser`` builds megatron-core's ``TEFusedMLP``: the TE backend and a dense MLP only."""
+    if te_op_fuser and (backend != "te" or config.num_moe_experts):
+        raise ValueError("te_op_fuser needs the TE backend and a dense MLP (no num_moe_experts)")
+
+
+def stage_ends(pre_process: bool | None, post_process: bool | None) -> tuple[bool, bool]:
+    """``(pre_process, post_process)``: whether this rank's stage holds the embedding and the output layer, each
+    from the pipeline layout where not given."""
+    from megatron.core import parallel_state
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return pre_process, post_process
+
+
 def build_gpt_model(
     config: TransformerConfig,
     vocab_size: int,
@@ -104,15 +122,8 @@ def build_gpt_model(
     `edit_spec` (a family's own layers, e.g. Gemma 3's post-norms) takes the backend's layer spec and returns the
     one to build.
     """
-    if te_op_fuser and (backend != "te" or config.num_moe_experts):
-        raise ValueError("te_op_fuser needs the TE backend and a dense MLP (no num_moe_experts)")
-    if pre_process is None or post_process is None:
-        from megatron.core import parallel_state
-
-        if pre_process is None:
-            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-        if post_process is None:
-            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    check_te_op_fuser_model(config, backend, te_op_fuser)
+    pre_process, post_process = stage_ends(pre_process, post_process)
     spec = gpt_layer_spec(
         backend,
         num_experts=config.num_moe_experts,
