@@ -195,6 +195,16 @@ def save_model(family: str, directory: str | Path, seed: int = 0, **overrides) -
     return directory
 
 
+def exported_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported Hugging Face directory's ``model-*.safetensors`` shards, by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(directory).glob("model-*.safetensors")):
+        tensors |= load_file(str(file))
+    return tensors
+
+
 def hf_model(directory: str | Path):
     """transformers' model from a saved directory (``AutoModelForCausalLM``, local files only), fp32, eager."""
     from transformers import AutoModelForCausalLM

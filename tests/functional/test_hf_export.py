@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_models import hf_model, max_logit_difference, padded_batch, save_model
+from tests.hf_models import exported_tensors, hf_model, max_logit_difference, padded_batch, save_model
 
 from .training import export_runs, finish, start_train, tail
 
@@ -79,12 +79,8 @@ def checkpoint_tensors(iteration_dir) -> dict[str, torch.Tensor]:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
-    from safetensors.torch import load_file
-
     source, ckpt, out = exported
-    hf = {}
-    for file in sorted(out.glob("model-*.safetensors")):
-        hf |= load_file(str(file))
+    hf = exported_tensors(out)
     raw = checkpoint_tensors(ckpt / "iter_0000002")
     heads, groups, d = 4, 2, 16
     per = heads // groups
@@ -125,6 +121,8 @@ def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
         assert torch.equal(raw[megatron], hf[name]), name
     # Two Adam steps (lr at most 1e-3) moved every weight a little from the imported ones: the optimizer's main
     # parameters started from the imported weights, not from the random initialisation.
+    from safetensors.torch import load_file
+
     imported = load_file(str(source / "model.safetensors"))
     moved = max(float((hf[n] - imported[n]).abs().max()) for n in imported)
     assert 0 < moved < 2e-3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_models import save_model
+from tests.hf_models import exported_tensors, save_model
 
 from .test_hf_export import checkpoint_tensors
 from .training import export_runs, finish, start_train, tail
@@ -53,12 +53,8 @@ def test_transformers_loads_the_export_with_every_tensor_in_place(exported):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
-    from safetensors.torch import load_file
-
     source, ckpt, out = exported
-    hf = {}
-    for file in sorted(out.glob("model-*.safetensors")):
-        hf |= load_file(str(file))
+    hf = exported_tensors(out)
     raw = checkpoint_tensors(ckpt / "iter_0000002")
     # layer 0: gated DeltaNet, grouped by key head
     h, m = "model.layers.0.linear_attn.", "decoder.layers.0.self_attention."
@@ -102,6 +98,8 @@ def test_the_exported_tensors_are_the_checkpoints_bit_for_bit(exported):
     assert torch.equal(raw[m + "linear_fc1.weight"], gate_up)
     assert torch.equal(raw[m + "gate_weight"], hf[h + "shared_expert_gate.weight"])
     # two Adam steps moved the imported weights a little: training started from them
+    from safetensors.torch import load_file
+
     imported = load_file(str(source / "model.safetensors"))
     moved = max(float((hf[n] - imported[n]).abs().max()) for n in imported)
     assert 0 < moved < 1e-2

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from tests.hf_models import exported_tensors
 from tests.vlm_models import (  # noqa: F401 - the session's model directories
     released_orientation,
     tiny_qwen3_vl,
@@ -70,15 +71,6 @@ def source_tensors(directory) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(directory / "model.safetensors"))
-
-
-def exported_tensors(out) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(out.glob("model-*.safetensors")):
-        tensors |= load_file(str(file))
-    return tensors
 
 
 def bitwise_differences(a: dict, b: dict) -> list[str]:
