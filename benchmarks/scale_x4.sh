@@ -74,13 +74,15 @@ phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel (with and 
     --label 1b-scaling
 }
 
-phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs
+phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs (SIDES: thdpack,hf or one of them)
   if [ $BIG = 1 ]; then
-    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2@16384,tp2+fp8@16384,tp4@16384 \
+    scale 560 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+      --layouts tp2@16384,tp2+ov@16384,tp2+ov+fp8@16384,tp4+ov@16384 \
       --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2:ac@16384 --label 8b
-  else
-    scale 560 --shape llama3_8b --world-sizes 4 --layouts tp2@8192,tp2+fp8@8192,tp4@16384 \
-      --hf-configs fsdp2:noreshard@4096,fsdp2:noreshard:prefetch2@4096,fsdp2:ac@8192 --label 8b
+  else  # 80 GB: the H200's budgets halved (its fastest peer, noreshard@8192, took 106 GiB)
+    scale 560 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+      --layouts tp2+ov@8192,tp2@8192,tp2+ov+fp8@8192 \
+      --hf-configs fsdp2:noreshard@4096,fsdp2:noreshard:ac@8192,fsdp2@4096,fsdp2:ac@16384 --label 8b
   fi
 }
 
@@ -91,8 +93,10 @@ phase_8b-long() {  # the 8B shape, long samples (median 6k tokens, up to 32k), 8
 }
 
 phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 4 GPUs
-  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --layouts ep4@8192,ep2tp2@8192 \
-    --hf-configs fsdp2:noreshard@8192,fsdp2@8192 --label moe
+  local peers=fsdp2:noreshard@8192,fsdp2@8192
+  [ $BIG = 1 ] || peers=fsdp2@8192,fsdp2:ac@8192,fsdp2:noreshard:ac@8192
+  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+    --layouts ep4+ov@8192,ep4@8192 --hf-configs $peers --label moe
 }
 
 phase_ctx() {  # long samples of the 8B: thdpack under context parallelism, transformers one sample a GPU

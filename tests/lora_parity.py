@@ -40,6 +40,17 @@ LENGTHS = (7, 13, 5, 10)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+# The modules the one-rank checks adapt (tests/unit/test_lora_parity.py; the others: ALL): llama3 q and v only
+# (PEFT's default for Llama: the fused QKV layer's k rows get no adapter); Qwen3.5 its DeltaNet layers' out_proj,
+# its full-attention layers' o_proj (their gated QKV and DeltaNet input projections are not adapted), the MLP.
+ONE_RANK_TARGETS = {
+    "llama3": ["q_proj", "v_proj", "down_proj"],
+    "qwen3_moe": ATTENTION,
+    "qwen3_vl": ATTENTION,
+    "qwen3_5": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen3_5_moe": ["o_proj", "out_proj", "down_proj"],  # down_proj: its shared expert's
+    "gpt_oss": ATTENTION,  # its MLP is all experts
+}
 # The modules the parallel checks adapt: some families a part of each fused layer only (the other parts' rows get
 # no adapter); Qwen3.5 its DeltaNet layers' out_proj and its full-attention layers' o_proj (their gated QKV and
 # DeltaNet input projections are not adapted); the others all-linear.

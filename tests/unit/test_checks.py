@@ -568,29 +568,6 @@ def test_a_first_pipeline_stage_without_every_deepstack_layer_is_refused_naming_
     assert check(*vl, "+model.config.num_layers_in_first_pipeline_stage=2", world_size=2) == []
 
 
-def test_communication_overlap_is_refused_on_a_gpu_under_tensor_or_expert_parallelism():
-    overlap = ("trainer.overlap_grad_reduce=true", "trainer.overlap_param_gather=true")
-    fails(
-        *overlap,
-        "parallel=tp2",
-        match=r"trainer\.overlap_grad_reduce=true with parallel\.tensor_model_parallel_size=2, .* on a GPU",
-        world_size=4,
-        device="cuda",
-    )
-    fails(
-        "trainer.overlap_param_gather=true",
-        "model=tiny_moe",
-        "parallel=ep2",
-        match=r"trainer\.overlap_param_gather=true .* verified under data parallelism only",
-        world_size=2,
-        device="cuda",
-    )
-    # data parallelism: ran on H200s (the one warning is the torch backend's unfused RoPE: no Transformer Engine here)
-    (warning,) = check(*overlap, "model.attention_backend=torch", world_size=2, device="cuda")
-    assert "RoPE runs unfused" in warning
-    assert check(*overlap, "parallel=tp2", world_size=4) == []  # CPU: every layout trains with it
-
-
 def test_communication_overlap_takes_true_or_false():
     fails(
         "trainer.overlap_grad_reduce=maybe",

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.lora_parity import (
+    ALL,
     FAMILIES,
+    ONE_RANK_TARGETS,
     Exported,
     exported_checks,
     grad_difference,
@@ -24,19 +26,6 @@ from tests.lora_parity import (
 pytestmark = [pytest.mark.cpu_only]
 
 TOLERANCE = 1e-5  # relative, fp32
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ATTENTION = ALL[:4]
-# q and v only (PEFT's default for Llama): the fused QKV layer's k rows get no adapter
-# Qwen3.5: its DeltaNet layers' out_proj, its full-attention layers' o_proj (their gated QKV and DeltaNet input
-# projections are not adapted), the MLP
-TARGETS = {
-    "llama3": ["q_proj", "v_proj", "down_proj"],
-    "qwen3_moe": ATTENTION,
-    "qwen3_vl": ATTENTION,
-    "qwen3_5": ["o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen3_5_moe": ["o_proj", "out_proj", "down_proj"],  # down_proj: its shared expert's
-    "gpt_oss": ATTENTION,  # its MLP is all experts
-}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -45,7 +34,7 @@ def measured(request, tmp_path_factory, one_rank_megatron):
     family = request.param
     root = tmp_path_factory.mktemp(f"lora_{family}")
     source = write_source(family, root / "source")
-    adapter = write_peft_adapter(source, root / "peft", TARGETS.get(family, ALL))
+    adapter = write_peft_adapter(source, root / "peft", ONE_RANK_TARGETS.get(family, ALL))
     reference = peft_reference(source, adapter, padded_batch(source))
     step = thdpack_step(source, adapter, root / "ckpt")
     exported = exported_checks(source, root / "ckpt", root / "out", step.logits)

@@ -8,7 +8,13 @@ import torch
 
 from .runtime import Runtime
 
-__all__ = ["check_overlap", "fuse_te_wgrad_accumulation", "sync_params", "te_wgrad_fusion", "wrap_model"]
+__all__ = [
+    "fuse_te_wgrad_accumulation",
+    "run_forward_pre_hooks",
+    "sync_params",
+    "te_wgrad_fusion",
+    "wrap_model",
+]
 
 
 def te_wgrad_fusion(model_cfg: Mapping, runtime: Runtime) -> bool:
@@ -53,6 +59,7 @@ def wrap_model(
     fuse_wgrad: bool = False,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
+    bucket_size: int | None = None,
 ):
     """``module`` (this rank's stage of the model) on the runtime's device, in bf16 through Megatron's
     ``Float16Module`` when ``runtime.precision`` says so, inside Megatron's ``DistributedDataParallel`` with fp32
@@ -62,7 +69,8 @@ def wrap_model(
     ``overlap_grad_reduce``: each gradient bucket's reduce-scatter starts as soon as the last micro-batch's backward
     has filled it, instead of after the whole backward. ``overlap_param_gather``: the distributed optimizer's
     updated shards are all-gathered bucket by bucket during the next forward (Megatron's forward pre-hooks)
-    instead of right after the optimizer step; parameters read outside a forward need :func:`sync_params` first."""
+    instead of right after the optimizer step; parameters read outside a forward need :func:`sync_params` first.
+    ``bucket_size``: parameters per gradient bucket (megatron-core's ``--ddp-bucket-size``; None: its default)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if fuse_wgrad:
@@ -78,24 +86,9 @@ def wrap_model(
         use_distributed_optimizer=True,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
+        bucket_size=bucket_size,
     )
     return DistributedDataParallel(config, ddp_config, module)
-
-
-def check_overlap(trainer: Mapping, parallel: Mapping, device: str) -> None:
-    """Refuse the communication overlap where it has not run: on a GPU it trained under data parallelism
-    (llama3_1b, two H200s), and stopped at the second step with a bare ``AssertionError`` under tensor parallelism
-    (llama3_8b, TP2 x DP2) and expert parallelism (Qwen3-30B-A3B shape, EP4) on four H200s
-    (benchmarks/results/scale_h200x4_2026-11-27.md). On CPU every layout trains with it (tests)."""
-    keys = [k for k in ("overlap_grad_reduce", "overlap_param_gather") if trainer.get(k) is True]
-    tp, ep = int(parallel["tensor_model_parallel_size"]), int(parallel["expert_model_parallel_size"])
-    if keys and device == "cuda" and (tp > 1 or ep > 1):
-        raise ValueError(
-            f"trainer.{keys[0]}=true with parallel.tensor_model_parallel_size={tp}, "
-            f"expert_model_parallel_size={ep} on a GPU: with Transformer Engine it stopped at the second step "
-            "(megatron-core's gradient buckets asserted) under tensor and expert parallelism; it is verified under "
-            "data parallelism only. Set trainer.overlap_grad_reduce=false trainer.overlap_param_gather=false"
-        )
 
 
 def sync_params(model) -> None:
@@ -104,3 +97,17 @@ def sync_params(model) -> None:
     for chunk in model if isinstance(model, list | tuple) else [model]:
         if getattr(chunk, "use_forward_hook", False):
             chunk.start_param_sync(force_sync=True)
+
+
+def run_forward_pre_hooks(module, *args) -> None:
+    """Run what calling ``module(*args)`` would run before its forward, for code that reads ``module``'s own
+    parameters without calling it (a fused loss reading the output layer's weight, an adapter reading its
+    ``ParameterDict``). Megatron-core's overlapped parameter all-gather (``overlap_param_gather``) waits for a
+    module's updated parameters in such a hook: unreached, the parameters read are the step before's, and the
+    next optimizer step stops on its bare ``assert self.param_gather_handle is None``. Without the overlap, or
+    outside DDP, the module has no such hook and this does nothing."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, args, {})
+        else:
+            hook(module, args)

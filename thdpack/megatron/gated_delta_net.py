@@ -37,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .delta_rule import causal_conv1d, chunk_gated_delta_rule, packed_gated_delta_rule, segment_offsets
+from .distributed import run_forward_pre_hooks
 from .lora import ADAPTER_SUFFIX
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetSubmodules", "fla_chunk_gated_delta_rule"]
@@ -140,6 +141,9 @@ class GatedDeltaNet(MegatronModule):
             projected.transpose(0, 1).unflatten(-1, (self.key_heads, -1)).split(self.split, -1)
         )
         mixed = torch.cat([q, k, v], -1).flatten(2)
+        run_forward_pre_hooks(
+            self.conv1d, mixed
+        )  # a holder read, not called: its hooks (the overlap's all-gather)
         weight = self.conv1d.weight[:, 0, :]
         if packed:
             offsets = segment_offsets(packed_seq_params.cu_seqlens_q_padded, s)
@@ -179,6 +183,7 @@ class GatedDeltaNet(MegatronModule):
         x = o.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         # every TP rank normalises its own heads with the one weight: its gradient is the sum over the ranks
+        run_forward_pre_hooks(self.out_norm, o)
         weight = copy_to_tensor_model_parallel_region(self.out_norm.weight, group=self.tp_group)
         x = weight * x.to(dtype)
         return (x * F.silu(z.float())).to(dtype)

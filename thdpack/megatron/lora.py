@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import run_forward_pre_hooks
+
 __all__ = [
     "ADAPTER_SUFFIX",
     "GATED",
@@ -219,6 +221,9 @@ class LoRAAdapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core import tensor_parallel as tpm
 
+        # A and B live in ParameterDicts that are read, not called: their hooks (the overlapped all-gather) here
+        run_forward_pre_hooks(self.lora_A, x)
+        run_forward_pre_hooks(self.lora_B, x)
         names = [p for p in self.parts if p is not None]
         a = self.lora_A[names[0]] if len(names) == 1 else torch.cat([self.lora_A[p] for p in names])
         if self.dropout is not None:

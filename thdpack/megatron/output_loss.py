@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from .distributed import run_forward_pre_hooks
+
 __all__ = [
     "OUTPUT_LOSSES",
     "check_output_loss",
@@ -331,6 +333,9 @@ def _fused_postprocess(self, *, megatron_postprocess: Callable, impl: str, chunk
     weight = (
         self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else layer.weight
     )
+    run_forward_pre_hooks(
+        layer, hidden
+    )  # the overlapped all-gather of the weight read here, not by calling it
     s, b, h = hidden.shape
     loss_mask = kwargs.get("loss_mask")
     labels = labels.transpose(0, 1).reshape(s * b)  # [b, s] -> the hidden states' [s, b] order

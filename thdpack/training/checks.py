@@ -8,7 +8,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
-from thdpack.megatron.distributed import check_overlap
 from thdpack.megatron.fp8 import check_fp8, check_fp8_attention
 from thdpack.megatron.fused_mlp import check_te_op_fuser
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
@@ -185,7 +184,6 @@ def check_recipe(
         check_output_loss(model, parallel, device)
         check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
         check_fp8(cfg["trainer"], device, backend)
-        check_overlap(cfg["trainer"], parallel, device)
         if device == "cuda":
             check_fp8_attention(config, cfg["trainer"]["precision"], packed)
         warnings += check_te_op_fuser(model, cfg["trainer"], backend)

@@ -231,6 +231,7 @@ def setup_run(cfg: DictConfig) -> Run:
         te_wgrad_fusion(cfg.model, runtime),
         overlap_grad_reduce=trainer.overlap_grad_reduce is True,
         overlap_param_gather=trainer.overlap_param_gather is True,
+        bucket_size=trainer.get("ddp_bucket_size"),
     )
     optimizer, scheduler = build_optimizer(trainer, model, config)
     optimizer_step = OptimizerStep(optimizer, runtime.device)

@@ -190,6 +190,8 @@ def _trainer(trainer: Mapping, recipes: Path) -> None:
     for key in ("overlap_grad_reduce", "overlap_param_gather"):
         if trainer.get(key, False) not in (True, False):
             raise ConfigError(f"trainer.{key} is {trainer.get(key)!r}: it must be true or false")
+    if trainer.get("ddp_bucket_size") is not None:
+        _integer("trainer.ddp_bucket_size", trainer["ddp_bucket_size"], low=1, null="megatron-core's default")
     if trainer.get("on_nonfinite", "error") not in ("error", "skip"):
         raise ConfigError(
             f"trainer.on_nonfinite is '{trainer.get('on_nonfinite')}': it must be error or skip"
