@@ -76,11 +76,11 @@ phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel (with and 
 
 phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs (SIDES: thdpack,hf or one of them)
   if [ $BIG = 1 ]; then
-    scale 560 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+    scale 760 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
       --layouts tp2@16384,tp2+ov@16384,tp2+ov+fp8@16384,tp4+ov@16384 \
       --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2:ac@16384 --label 8b
   else  # 80 GB: the H200's budgets halved (its fastest peer, noreshard@8192, took 106 GiB)
-    scale 560 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+    scale 760 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
       --layouts tp2+ov@8192,tp2@8192,tp2+ov+fp8@8192 \
       --hf-configs fsdp2:noreshard@4096,fsdp2:noreshard:ac@8192,fsdp2@4096,fsdp2:ac@16384 --label 8b
   fi
@@ -95,21 +95,25 @@ phase_8b-long() {  # the 8B shape, long samples (median 6k tokens, up to 32k), 8
 phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 4 GPUs
   local peers=fsdp2:noreshard@8192,fsdp2@8192
   [ $BIG = 1 ] || peers=fsdp2@8192,fsdp2:ac@8192,fsdp2:noreshard:ac@8192
-  scale 500 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+  scale 600 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
     --layouts ep4+ov@8192,ep4@8192 --hf-configs $peers --label moe
 }
 
 phase_ctx() {  # long samples of the 8B: thdpack under context parallelism, transformers one sample a GPU
-  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 131072 --micro-batch-tokens 131072 \
-    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx128k-hf --steps 2 --warmup 1
-  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
-    --samples-per-step 2 --layouts tp2cp2:fold+recompute,tp2cp2:distinct+recompute --sides thdpack \
-    --log-te-backend --label ctx64k-thdpack --steps 3 --warmup 1
-  scale 240 --shape llama3_8b --world-sizes 4 --mix full --seq-length 262144 --micro-batch-tokens 262144 \
-    --samples-per-step 1 --layouts tp2cp2:fold+recompute --sides thdpack --label ctx256k-thdpack --steps 2 \
-    --warmup 1
-  scale 200 --shape llama3_8b --world-sizes 4 --mix full --seq-length 65536 --micro-batch-tokens 65536 \
-    --samples-per-step 4 --sides hf --hf-configs fsdp2:ac --label ctx64k-hf --steps 3 --warmup 1
+  # the longest first (the headline's ratio), then the peer's limit, then fold against distinct at 128k and 64k
+  local ctx=(--shape llama3_8b --world-sizes 4 --mix full)
+  scale 300 "${ctx[@]}" --seq-length 262144 --micro-batch-tokens 262144 --samples-per-step 1 \
+    --layouts tp2cp2:fold+recompute --sides thdpack --log-te-backend --label ctx256k-thdpack --steps 2 --warmup 1
+  scale 200 "${ctx[@]}" --seq-length 131072 --micro-batch-tokens 131072 --samples-per-step 4 --sides hf \
+    --hf-configs fsdp2:ac --label ctx128k-hf --steps 2 --warmup 1
+  scale 200 "${ctx[@]}" --seq-length 65536 --micro-batch-tokens 65536 --samples-per-step 4 --sides hf \
+    --hf-configs fsdp2:ac --label ctx64k-hf --steps 3 --warmup 1
+  scale 300 "${ctx[@]}" --seq-length 131072 --micro-batch-tokens 131072 --samples-per-step 2 \
+    --layouts tp2cp2:fold+recompute,tp2cp2:distinct+recompute --sides thdpack --log-te-backend \
+    --label ctx128k-thdpack --steps 3 --warmup 1
+  scale 240 "${ctx[@]}" --seq-length 65536 --micro-batch-tokens 65536 --samples-per-step 2 \
+    --layouts tp2cp2:fold+recompute,tp2cp2:distinct+recompute --sides thdpack --log-te-backend \
+    --label ctx64k-thdpack --steps 3 --warmup 1
 }
 
 echo "$GPUS GPUs of $MEM MiB; phases: $*"
