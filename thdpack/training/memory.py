@@ -7,12 +7,14 @@ The estimate, per process (the largest pipeline stage):
 * parameters from the shapes (the count transformers' own models give, checked in tests), split over TP and PP,
   experts over EP;
 * bytes per parameter under Megatron's DDP with fp32 gradient buffers and the distributed optimizer: weights
-  (2 in bf16, 4 in fp32) + gradients (4) + optimizer states sharded over the data-parallel ranks (Adam's two
-  moments, 8, and in bf16 the fp32 main weights, 4): ``6 + 12 / dp`` bytes in bf16, ``8 + 8 / dp`` in fp32; under
+  (2 in bf16, 4 in fp32) + gradients (4) + optimizer states sharded over the data- and context-parallel ranks
+  (Adam's two moments, 8, and in bf16 the fp32 main weights, 4): ``6 + 12 / (dp cp)`` bytes in bf16,
+  ``8 + 8 / (dp cp)`` in fp32; under
   LoRA (``peft=lora``) gradients and optimizer states of the adapters only, the frozen base its weights alone;
 * activations, a rough figure: per token and layer the tensors a layer keeps for its backward (the inputs of the
   norms and projections, q/k/v, the attention output, the MLP's hidden activations; no attention-score matrix:
-  the attention kernels are flash-style), for the micro-batches a pipeline stage holds at once;
+  the attention kernels are flash-style), for the micro-batches a pipeline stage holds at once; under full
+  activation recomputation each recomputed chunk's input and one chunk's activations at a time;
 * the logits and their fp32 cross-entropy copies (``tokens x vocab``);
 * the process itself (Python, torch, megatron-core).
 
@@ -196,13 +198,15 @@ def estimate_memory(
     precision = precision_of(cfg["trainer"], device)
     weight_bytes = 2 if precision in ("bf16", "fp8") else 4  # fp8: bf16 weights, FP8 only inside the GEMMs
     state_bytes = 12 if weight_bytes == 2 else 8  # (fp32 main weights +) Adam's two moments
-    optimizer = state_bytes * (dense / dp + experts / expert_dp)
+    # the distributed optimizer shards the dense parameters' states over the data- and context-parallel ranks
+    # together (megatron-core's DDP reduces their gradients over both), the experts' over the expert-data-parallel
+    optimizer = state_bytes * (dense / (dp * cp) + experts / expert_dp)
     trained = params
     peft = cfg.get("peft") or {}
     if peft.get("name") == "lora":  # the base frozen: gradients and optimizer states of the adapters only
         trained = layers * lora_layer_parameters(model, peft) / tp
         params += trained
-        optimizer = state_bytes * trained / dp
+        optimizer = state_bytes * trained / (dp * cp)
 
     tokens = _micro_batch_tokens(dataset)
     if data_tokens is not None:
@@ -222,10 +226,11 @@ def estimate_memory(
     else:
         split += (width + 1) * int(c.get("ffn_hidden_size") or 4 * h)  # Megatron: 4h when unset
     per_token_layer = replicated / (tp if sp else 1) + split / tp
+    kept_layers = _kept_layers(c, layers, per_token_layer, h / (tp if sp else 1))
     num_micro = _microbatches(dataset, dp)
     in_flight = min(pp, num_micro) if pp > 1 else 1
     unfused = 1.0 if backend == "te" else UNFUSED_FACTOR
-    activations = unfused * tokens / cp * layers * in_flight * per_token_layer * weight_bytes
+    activations = unfused * tokens / cp * kept_layers * in_flight * weight_bytes
     # the logits, their fp32 copy, its gradient: of every token with Megatron's output loss, of one chunk of
     # tokens with the fused ones (thdpack.megatron.output_loss never keeps a [tokens, vocab] tensor)
     logit_rows = tokens / cp
@@ -242,6 +247,20 @@ def estimate_memory(
         process=PROCESS_BYTES,
         tokens=tokens,
     )
+
+
+def _kept_layers(c: Mapping, layers: int, per_layer: float, layer_input: float) -> float:
+    """What a stage's layers keep for the backward, per token, in elements. Megatron's full activation
+    recomputation (``recompute_granularity=full``) keeps each recomputed chunk's input only and rebuilds one
+    chunk's activations at a time: ``uniform`` chunks of ``recompute_num_layers`` layers, ``block`` the first
+    ``recompute_num_layers`` layers one by one and the rest whole. Selective recomputation (attention's core,
+    flash-style already) is counted as none."""
+    if c.get("recompute_granularity") != "full":
+        return layers * per_layer
+    n = max(1, min(int(c.get("recompute_num_layers") or 1), layers))
+    if c.get("recompute_method", "uniform") == "block":
+        return n * layer_input + (layers - n) * per_layer + per_layer
+    return math.ceil(layers / n) * layer_input + n * per_layer
 
 
 def _micro_batch_tokens(dataset: Mapping) -> int:
