@@ -93,10 +93,12 @@ phase_8b-long() {  # the 8B shape, long samples (median 6k tokens, up to 32k), 8
 }
 
 phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 4 GPUs
-  local peers=fsdp2:noreshard@8192,fsdp2@8192
-  [ $BIG = 1 ] || peers=fsdp2@8192,fsdp2:ac@8192,fsdp2:noreshard:ac@8192
-  scale 600 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
-    --layouts ep4+ov@8192,ep4@8192 --hf-configs $peers --label moe
+  # 80 GB: both sides ran out of memory at 8,192-token micro-batches (benchmarks/results/scale_h100x4_2026-11-27.md)
+  local b=$((BIG ? 8192 : 4096))
+  local peers=fsdp2:noreshard@$b,fsdp2@$b
+  [ $BIG = 1 ] || peers=fsdp2@$b,fsdp2:ac@$b,fsdp2:noreshard:ac@$b
+  scale 720 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
+    --layouts ep4@$b,ep4+ov@$b --hf-configs $peers --label moe
 }
 
 phase_ctx() {  # long samples of the 8B: thdpack under context parallelism, transformers one sample a GPU
