@@ -568,6 +568,23 @@ def test_a_first_pipeline_stage_without_every_deepstack_layer_is_refused_naming_
     assert check(*vl, "+model.config.num_layers_in_first_pipeline_stage=2", world_size=2) == []
 
 
+def test_communication_overlap_with_a_trained_vision_tower_is_refused(tiny_qwen3_vl):  # noqa: F811
+    # a step without images gives the tower no gradient: megatron-core's overlap stops with a bare AssertionError
+    # (seen on CPU, two ranks, qwen2_5_vl with model.freeze_vision=false and the text corpus)
+    vl = ("model=hf", f"model.pretrained={tiny_qwen3_vl}", "dataset=embedded_vlm")
+    fails(
+        *vl,
+        "model.freeze_vision=false",
+        "trainer.overlap_grad_reduce=true",
+        match=r"model\.freeze_vision=false with trainer\.overlap_grad_reduce=true: a micro-batch without images",
+        world_size=2,
+    )
+    assert (
+        check(*vl, "trainer.overlap_grad_reduce=true", "trainer.overlap_param_gather=true", world_size=2)
+        == []
+    )
+
+
 def test_communication_overlap_takes_true_or_false():
     fails(
         "trainer.overlap_grad_reduce=maybe",

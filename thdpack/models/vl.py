@@ -135,11 +135,24 @@ def vl_family(
 
     def check(cfg: Mapping) -> None:
         """Under pipeline parallelism the first stage, which runs the vision tower, holds every DeepStack layer
-        (:func:`thdpack.megatron.deepstack.check_deepstack_split`)."""
+        (:func:`thdpack.megatron.deepstack.check_deepstack_split`). A trained vision tower
+        (``model.freeze_vision=false``) gets no gradient from a step without images: megatron-core's overlapped
+        gradient reduction and parameter all-gather wait for every parameter, and stop on a bare
+        ``AssertionError`` (tests/unit/test_checks.py); they are refused with it."""
         from thdpack.megatron.deepstack import check_deepstack_split
         from thdpack.megatron.parallel_layout import first_stage_layers
 
         model, pp = cfg["model"], int(cfg["parallel"]["pipeline_model_parallel_size"])
+        overlap = [
+            k for k in ("overlap_grad_reduce", "overlap_param_gather") if cfg["trainer"].get(k) is True
+        ]
+        if overlap and not model.get("freeze_vision", True):
+            raise ValueError(
+                f"model.freeze_vision=false with trainer.{overlap[0]}=true: a micro-batch without images leaves "
+                "the vision tower without gradients, and megatron-core's overlapped communication waits for every "
+                "parameter's. Set trainer.overlap_grad_reduce=false trainer.overlap_param_gather=false, or keep "
+                "model.freeze_vision=true"
+            )
         if pp <= 1 or not model.get("pretrained"):
             return
         layers = deepstack_layers(HFCheckpoint.open(model["pretrained"]))
