@@ -74,6 +74,8 @@ LAYOUT_FLAGS = {
     ),
     "selrec": ("++model.config.recompute_granularity=selective",),
     "bf16grad": ("trainer.main_grads_dtype=bf16",),
+    # the MLP as TE's fused operations: model.te_op_fuser=auto leaves it off under FP8 delayed scaling
+    "fuser": ("model.te_op_fuser=true",),
 }
 
 
