@@ -98,8 +98,11 @@ phase_moe() {  # the Qwen3-30B-A3B shape with 16 of its 48 layers, experts over 
   local b=$((BIG ? 8192 : 4096))
   local peers=fsdp2:noreshard@$b,fsdp2@$b
   [ $BIG = 1 ] || peers=fsdp2@$b,fsdp2:ac@$b,fsdp2:noreshard:ac@$b
+  local layouts=ep4@$b,ep4+ov@$b
+  # 80 GB: also 8,192 tokens with bf16 gradients (the experts' fp32 gradients took 12.5 GiB a GPU)
+  [ $BIG = 1 ] || layouts=$layouts,ep4+bf16grad@8192
   scale 720 --shape qwen3_30b_a3b --layers 16 --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
-    --layouts ep4@$b,ep4+ov@$b --hf-configs $peers --label moe
+    --layouts $layouts --hf-configs $peers --label moe
 }
 
 phase_ctx() {  # long samples of the 8B: thdpack under context parallelism, transformers one sample a GPU
