@@ -44,7 +44,9 @@ pack() {
 
 phase_smoke() {  # tiny shapes on every path the phases take: a failure here costs seconds, not a lease
   local w=$((GPUS > 1 ? 2 : 1))
-  scale 240 --shape tiny --world-sizes $w --layouts dp+ov,dp+ov+fp8@2048 --label smoke \
+  local layouts=dp+ov,dp+ov+fp8@2048
+  [ $w = 2 ] && layouts=$layouts,tp2+ov  # the overlap under TP (stopped there once: an unhooked parameter read)
+  scale 240 --shape tiny --world-sizes $w --layouts $layouts --label smoke \
     --hf-configs fsdp2:noreshard:prefetch2,fsdp2:ac:bf16reduce,ddp,ddp:autocast --seq-length 1024 \
     --micro-batch-tokens 4096 --steps 2 --warmup 1
   scale 240 --shape tiny_moe --world-sizes $w --layouts ep$w --hf-configs fsdp2 --label smoke-moe \

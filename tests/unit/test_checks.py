@@ -585,6 +585,16 @@ def test_communication_overlap_with_a_trained_vision_tower_is_refused(tiny_qwen3
     )
 
 
+def test_tensor_parallel_communication_overlap_is_refused_naming_the_key():
+    fails(
+        "parallel=tp2",
+        "parallel.sequence_parallel=true",
+        "+model.config.tp_comm_overlap=true",
+        match=r"model\.config\.tp_comm_overlap=true: .* userbuffers of one fixed micro-batch shape",
+        world_size=2,
+    )
+
+
 def test_communication_overlap_takes_true_or_false():
     fails(
         "trainer.overlap_grad_reduce=maybe",

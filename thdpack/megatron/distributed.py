@@ -9,6 +9,7 @@ import torch
 from .runtime import Runtime
 
 __all__ = [
+    "check_tp_comm_overlap",
     "fuse_te_wgrad_accumulation",
     "run_forward_pre_hooks",
     "sync_params",
@@ -89,6 +90,20 @@ def wrap_model(
         bucket_size=bucket_size,
     )
     return DistributedDataParallel(config, ddp_config, module)
+
+
+def check_tp_comm_overlap(config: Mapping) -> None:
+    """Refuse ``model.config.tp_comm_overlap``: Transformer Engine overlaps tensor-parallel communication through
+    userbuffers that megatron-core's trainer initialises for one ``[seq_length x micro_batch_size, hidden]``
+    shape (``initialize_ub``) before the model is built. thdpack does not initialise them, and its packed
+    micro-batches change length from one to the next; unrefused, the first forward fails inside TE."""
+    if config.get("tp_comm_overlap"):
+        raise ValueError(
+            "model.config.tp_comm_overlap=true: Transformer Engine's tensor-parallel communication overlap needs "
+            "userbuffers of one fixed micro-batch shape, which thdpack does not set up (packed micro-batches vary "
+            "in length). Remove the key; trainer.overlap_grad_reduce and overlap_param_gather overlap the "
+            "data-parallel communication"
+        )
 
 
 def sync_params(model) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from thdpack.megatron.batch import alignment_for, allgather_dispatch_rule
+from thdpack.megatron.distributed import check_tp_comm_overlap
 from thdpack.megatron.fp8 import check_fp8, check_fp8_attention
 from thdpack.megatron.fused_mlp import check_te_op_fuser
 from thdpack.megatron.optimizer_precision import check_optimizer_precision
@@ -184,6 +185,7 @@ def check_recipe(
         check_output_loss(model, parallel, device)
         check_optimizer_precision(cfg["trainer"], device, cfg["trainer"]["precision"])
         check_fp8(cfg["trainer"], device, backend)
+        check_tp_comm_overlap(config)
         if device == "cuda":
             check_fp8_attention(config, cfg["trainer"]["precision"], packed)
         warnings += check_te_op_fuser(model, cfg["trainer"], backend)
