@@ -138,7 +138,10 @@ def test_layout_flags_add_their_recipe_overrides_and_a_budget_its_own():
         "trainer.overlap_param_gather=true",
         "trainer.precision=fp8",
     ]
-    assert scale.parse_layout("tp2+fp8+fuser")["overrides"] == ["trainer.precision=fp8", "model.te_op_fuser=true"]
+    assert scale.parse_layout("tp2+fp8+fuser")["overrides"] == [
+        "trainer.precision=fp8",
+        "model.te_op_fuser=true",
+    ]
     with pytest.raises(ValueError, match="layout 'tp2\\+fast'"):
         scale.parse_layout("tp2+fast")
 
