@@ -162,12 +162,17 @@ def setup_run(cfg: DictConfig) -> Run:
     from thdpack.megatron.loss import LM_LOSS
     from thdpack.megatron.optimizer import build_optimizer
     from thdpack.megatron.optimizer_precision import ddp_grad_reduce_in_fp32
-    from thdpack.megatron.runtime import init_distributed, resolve_runtime
+    from thdpack.megatron.runtime import init_distributed, resolve_runtime, serialize_cuda_connections
     from thdpack.megatron.step import StepConfig, make_forward_step
     from thdpack.models import get_family
     from thdpack.models.lora import apply_peft, lora_enabled
 
     _setup_logging()
+    # before the CUDA context exists (resolve_recipe only asks whether there is a GPU)
+    tp = cfg.parallel.get("tensor_model_parallel_size")  # checked with the rest of the recipe below
+    connections = serialize_cuda_connections(tp if isinstance(tp, int) and not isinstance(tp, bool) else 1)
+    if connections:
+        log.warning(connections)
     cfg = resolve_recipe(cfg)
     trainer, data_cfg, parallel = cfg.trainer, cfg.dataset, cfg.parallel
     packed = bool(data_cfg.pack_sequences_in_batch)
