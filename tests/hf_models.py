@@ -391,3 +391,24 @@ def whole_logits(local: torch.Tensor, starts: list[int]) -> torch.Tensor:
         dist.all_gather(shards, logits.contiguous(), group=ps.get_context_parallel_group())
         logits = cp_unshard(shards, torch.tensor(starts), dim=1)
     return logits
+
+
+def run_schedule(model, batch, forward_step, seq_length: int, forward_only: bool = False):
+    """Megatron's schedule over the one micro-batch ``batch`` (gradients zeroed first unless ``forward_only``)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if not forward_only:
+        model.zero_grad_buffer()
+    # megatron-core keeps the MoE aux-loss scale in a class attribute and copies each step's into it: another
+    # in-process test's optimizer may have left one of another shape ([] against [1]), so start afresh
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([batch]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.hf_models import parallel_sizes, whole_logits
+from tests.hf_models import parallel_sizes, run_schedule, whole_logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -279,24 +279,8 @@ def thdpack_step(
 
 
 def schedule(model, batch, forward_step, forward_only: bool = False):
-    """Megatron's schedule over the one micro-batch ``batch`` (gradients zeroed first unless ``forward_only``)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    if not forward_only:
-        model.zero_grad_buffer()
-    # megatron-core keeps the MoE aux-loss scale in a class attribute and copies each step's into it: another
-    # in-process test's optimizer may have left one of another shape ([] against [1]), so start afresh
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([batch]),
-        model=[model],
-        num_microbatches=1,
-        seq_length=SEQ,
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
+    """Megatron's schedule over the one micro-batch ``batch`` of :data:`SEQ` tokens (:func:`run_schedule`)."""
+    return run_schedule(model, batch, forward_step, SEQ, forward_only)
 
 
 def family_step(family):

@@ -41,6 +41,7 @@ from tests.hf_models import (  # noqa: E402
     hf_loss,
     megatron_model,
     padded_batch,
+    run_schedule,
     whole_logits,
 )
 from thdpack.megatron.batch import BatchConfig, get_batch  # noqa: E402
@@ -64,15 +65,7 @@ SEQ = 64
 
 
 def schedule(model, batch, forward_step):
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([batch]),
-        model=[model],
-        num_microbatches=1,
-        seq_length=SEQ,
-        micro_batch_size=1,
-        forward_only=True,
-    )
+    return run_schedule(model, batch, forward_step, SEQ, forward_only=True)
 
 
 def packed_logits(model, batch):
@@ -143,7 +136,7 @@ def check_delta_net_gradients(layout, family, model, hf, batch):
     from thdpack.hf.mapping import Dims, Shard, match_name, to_megatron
     from thdpack.models.qwen3_5 import LINEAR_ATTENTION
 
-    get_forward_backward_func()(
+    get_forward_backward_func()(  # a plain GPTModel, fresh: its gradients land in .grad
         forward_step_func=make_forward_step(BatchConfig()),
         data_iterator=iter([batch]),
         model=[model],
