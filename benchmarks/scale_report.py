@@ -89,6 +89,17 @@ def longest(reports, side: str) -> int | None:
     return max(lengths, default=None)
 
 
+def unfinished(reports, side: str, name: str) -> str:
+    """Why ``side`` has no longest sample: each full-length run it tried, with its length and status."""
+    tried = sorted(
+        (int(r["setup"]["seq_length"]), run["status"]) for r, run in _runs(reports, side, mix="full")
+    )
+    if not tried:
+        return f"no {name} run of the full-length mix"
+    runs = ", ".join(f"{length:,} tokens {status}" for length, status in tried)
+    return f"no {name} run of the full-length mix finished ({runs})"
+
+
 def scaling(reports, side: str) -> float | None:
     one, four = (_fastest(reports, side, "llama3_1b", "chat", w) for w in (1, 4))
     if one and four:
@@ -105,9 +116,9 @@ def combine(reports: list[dict]) -> dict:
             missing[key] = why
     ours_long, peer_long = longest(reports, "thdpack"), longest(reports, "hf")
     if ours_long is None:
-        missing["longest_sample_thdpack"] = "no thdpack run of the full-length mix finished"
+        missing["longest_sample_thdpack"] = unfinished(reports, "thdpack", "thdpack")
     if peer_long is None:
-        missing["longest_sample_peer"] = "no transformers run of the full-length mix finished"
+        missing["longest_sample_peer"] = unfinished(reports, "hf", "transformers")
     eff, eff_peer = scaling(reports, "thdpack"), scaling(reports, "hf")
     if eff is None:
         missing["scaling_efficiency_1_to_4"] = "llama3_1b lacks a finished run at 1 or at 4 GPUs"
@@ -224,14 +235,15 @@ def write(reports: list[dict], out: Path, notes: str = "") -> Path:
         "",
         "thdpack runs:",
         "",
-        "| shape | mix | GPUs | layout | status | tok/s/GPU | peak GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | mix | seq | GPUs | layout | status | tok/s/GPU | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for report, run in _runs(reports, "thdpack"):
         tok = run.get("real_tokens_per_s_per_gpu")
         peak = run.get("peak_memory_gib_max")
+        setup = report["setup"]
         lines.append(
-            f"| {report['setup']['shape']} | {report['setup']['mix']} | {run['world_size']} | `{run['layout']}` | "
+            f"| {setup['shape']} | {setup['mix']} | {setup['seq_length']} | {run['world_size']} | `{run['layout']}` | "
             f"{run['status']} | {'-' if tok is None else f'{tok:,.0f}'} | "
             f"{'-' if peak is None else f'{peak:.1f}'} |"
         )
