@@ -141,9 +141,8 @@ class GatedDeltaNet(MegatronModule):
             projected.transpose(0, 1).unflatten(-1, (self.key_heads, -1)).split(self.split, -1)
         )
         mixed = torch.cat([q, k, v], -1).flatten(2)
-        run_forward_pre_hooks(
-            self.conv1d, mixed
-        )  # a holder read, not called: its hooks (the overlap's all-gather)
+        # conv1d and out_norm hold weights that are read, not called: their hooks (the overlap's all-gather) here
+        run_forward_pre_hooks(self.conv1d, mixed)
         weight = self.conv1d.weight[:, 0, :]
         if packed:
             offsets = segment_offsets(packed_seq_params.cu_seqlens_q_padded, s)
