@@ -141,15 +141,7 @@ def model_group(r: ConfigReader, *, seq_length: int, tp: int) -> dict[str, Any]:
         layernorm_zero_centered_gamma=True,
         softmax_scale=float(scalar) ** -0.5,
     )
-    window = r.get("sliding_window", 4096)
-    if "sliding_attention" in types:
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise r.error("sliding_window", f"is {window!r}: the sliding layers need a positive window")
-        config["window_size"] = [
-            window - 1,
-            0,
-        ]  # transformers' kv > q - w: Megatron/TE (left, right) = (w-1, 0)
-        config["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in types]
+    llama.sliding_windows(r, types, config, default=4096)
     rope = _rope(r)
     full, local = rope["full_attention"], rope["sliding_attention"]
     scaling = full if full["rope_type"] != "default" else None

@@ -169,17 +169,7 @@ def model_group(r: ConfigReader, *, seq_length: int, tp: int) -> dict[str, Any]:
         bias_dropout_fusion=False,  # TE's grouped experts refuse it with biases
         **_moe(r),
     )
-    if "sliding_attention" in types:
-        window = r.get("sliding_window", 128)
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise r.error("sliding_window", f"is {window!r}: the sliding layers need a positive window")
-        config["window_size"] = [
-            window - 1,
-            0,
-        ]  # transformers' kv > q - w: Megatron/TE (left, right) = (w-1, 0)
-        config["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in types]
-    else:
-        r.get("sliding_window")
+    llama.sliding_windows(r, types, config, default=128)
     scaling = params if params["rope_type"] != "default" else None
     return llama.decoder_group(r, "gpt_oss", config, tp, rotary=(float(params["rope_theta"]), scaling))
 

@@ -237,6 +237,20 @@ def rope(r: ConfigReader) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def sliding_windows(r: ConfigReader, types: list[str], config: dict, default: int) -> None:
+    """Per-layer sliding windows (``layer_types``: ``sliding_attention`` or ``full_attention``) into ``config``:
+    megatron-core's ``window_size`` and ``window_attn_skip_freq``. transformers lets a query at ``q`` see keys
+    ``k > q - w``: Megatron/TE's ``(left, right)`` is ``(w - 1, 0)``. ``default``: the architecture's window when
+    the config names none."""
+    window = r.get("sliding_window", default)
+    if "sliding_attention" not in types:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise r.error("sliding_window", f"is {window!r}: the sliding layers need a positive window")
+    config["window_size"] = [window - 1, 0]
+    config["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in types]
+
+
 def window_within_rows(r: ConfigReader, seq_length: int) -> None:
     """A ``sliding_window`` that never bites (rows no longer than the window) is plain causal attention; one that
     would bite is refused: thdpack's THD attention is full causal attention per sample."""
