@@ -23,7 +23,7 @@ from tests.lora_parity import (
     write_source,
 )
 
-from .gpu import FP8_CORES, WITH_TE
+from .gpu import FP8_CORES, WITH_TE, steady_step_scalars
 
 pytestmark = WITH_TE
 
@@ -35,8 +35,7 @@ def test_a_lora_training_step_makes_no_sync_in_steady_state(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from tests.hf_models import save_model
-    from thdpack.training.deferred import DeferredScalars
-    from thdpack.training.loop import _shutdown, recipes_dir, setup_run, step_scalars, train_step
+    from thdpack.training.loop import _shutdown, recipes_dir, setup_run
 
     source = save_model("qwen3", tmp_path / "qwen3")
     os.environ.pop("MASTER_PORT", None)
@@ -48,22 +47,8 @@ def test_a_lora_training_step_makes_no_sync_in_steady_state(tmp_path):
     with initialize_config_dir(str(recipes_dir()), version_base="1.3"):
         run = setup_run(compose("train", overrides=overrides))
     try:
-        scalars = DeferredScalars("cuda")
-
-        def iteration(step):
-            losses, outcome = train_step(run, run.data.next_step())
-            scalars.push(step, step_scalars(losses, outcome, True, run.step.loss))
-            return list(scalars.ready())
-
-        for step in range(1, 4):
-            iteration(step)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            settled = [entry for step in range(4, 7) for entry in iteration(step)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert [step for step, _, _ in settled] == [3, 4, 5]
+        settled = steady_step_scalars(run)
+        assert [step for step, _, _ in settled] == [3, 4, 5, 6]
     finally:
         _shutdown()
 

@@ -13,7 +13,7 @@ import torch
 
 from tests.hf_models import build, hf_logits_per_sample, padded_batch, save_model
 
-from .gpu import WITH_TE
+from .gpu import WITH_TE, steady_step_scalars
 from .training import run_in_process
 
 pytestmark = WITH_TE
@@ -62,27 +62,7 @@ def test_packed_logits_with_transformer_engine_are_transformers_on_each_sample(f
 
 
 def test_bf16_training_steps_of_qwen3_5_make_no_sync_in_steady_state(tmp_path):
-    from thdpack.training.deferred import DeferredScalars
-    from thdpack.training.loop import step_scalars, train_step
-
     directory = save_model("qwen3_5", tmp_path / "qwen3_5")
     with run_in_process(_overrides(directory, "trainer.precision=bf16", "trainer.train_iters=6")) as run:
-
-        def iteration(step):
-            losses, outcome = train_step(run, run.data.next_step())
-            scalars.push(step, step_scalars(losses, outcome, True, run.step.loss))
-            return list(scalars.ready())
-
-        scalars = DeferredScalars("cuda")
-        for step in range(
-            1, 4
-        ):  # warm-up: allocator, cuDNN/TE autotuning, Triton compilation, optimizer state
-            iteration(step)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            settled = [entry for step in range(4, 7) for entry in iteration(step)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        settled += list(scalars.drain())
+        settled = steady_step_scalars(run)
     assert [step for step, _, _ in settled] == [3, 4, 5, 6]

@@ -14,9 +14,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from .gpu import WITH_TE
+from .gpu import WITH_TE, steady_step_scalars
 
 pytestmark = WITH_TE
 
@@ -40,14 +39,6 @@ def _run(model: str, extra: list[str]):
         return setup_run(compose("train", overrides=overrides))
 
 
-def _iteration(run, scalars, step: int) -> list:
-    from thdpack.training.loop import step_scalars, train_step
-
-    losses, outcome = train_step(run, run.data.next_step())
-    scalars.push(step, step_scalars(losses, outcome, True, run.step.loss))
-    return list(scalars.ready())
-
-
 @pytest.mark.parametrize(
     ("model", "extra"),
     [
@@ -59,22 +50,12 @@ def _iteration(run, scalars, step: int) -> list:
     ids=["dense_budget", "dense_samples", "mrope", "megatron_output_loss"],
 )
 def test_whole_training_steps_make_no_sync_in_steady_state(model, extra):
-    from thdpack.training.deferred import DeferredScalars
     from thdpack.training.loop import STEP_SCALARS, _shutdown
 
     run = _run(model, extra)
     try:
         assert run.optimizer_step.gated, run.optimizer_step.host_read_reason
-        scalars = DeferredScalars("cuda")
-        for step in range(1, 4):  # warm-up: plan caches, allocator, cuDNN/TE autotuning, optimizer state
-            _iteration(run, scalars, step)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            settled = [entry for step in range(4, 7) for entry in _iteration(run, scalars, step)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        settled += list(scalars.drain())
+        settled = steady_step_scalars(run)
         assert [step for step, _, _ in settled] == [3, 4, 5, 6]
         for _, values, _ in settled:
             record = dict(zip(STEP_SCALARS, values, strict=True))
