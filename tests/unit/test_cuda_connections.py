@@ -1,7 +1,8 @@
-"""``CUDA_DEVICE_MAX_CONNECTIONS`` under tensor parallelism (:func:`thdpack.megatron.runtime.serialize_cuda_connections`):
-Transformer Engine overlaps TP collectives with the backward GEMMs only with one hardware queue; the four-H100 8B
-runs warned so on every rank (benchmarks/results/scale_h100x4_2026-11-27.md). Set before the CUDA context exists
-(the variable is read then), a user's own value kept."""
+"""``CUDA_DEVICE_MAX_CONNECTIONS`` under tensor or context parallelism
+(:func:`thdpack.megatron.runtime.serialize_cuda_connections`), as Megatron-LM's argument checks require:
+Transformer Engine overlaps TP collectives with the backward GEMMs only with one hardware queue, and warned so on
+every rank of the four-H100 8B runs (2026-11-27). Set before the CUDA context exists (the variable is read then),
+a user's own value kept."""
 
 from __future__ import annotations
 
@@ -19,9 +20,15 @@ def test_tensor_parallelism_gets_one_connection_when_unset(monkeypatch):
     assert os.environ[VAR] == "1"
 
 
-def test_without_tensor_parallelism_nothing_is_set(monkeypatch):
+def test_context_parallelism_gets_one_connection_too(monkeypatch):
     monkeypatch.delenv(VAR, raising=False)
-    assert serialize_cuda_connections(1) is None
+    assert serialize_cuda_connections(1, 2) is None
+    assert os.environ[VAR] == "1"
+
+
+def test_without_tensor_or_context_parallelism_nothing_is_set(monkeypatch):
+    monkeypatch.delenv(VAR, raising=False)
+    assert serialize_cuda_connections(1, 1) is None
 
     assert VAR not in os.environ
 
@@ -31,7 +38,7 @@ def test_a_users_other_value_is_kept_and_warned_about(monkeypatch):
     warning = serialize_cuda_connections(4)
 
     assert os.environ[VAR] == "8"
-    assert warning.startswith("CUDA_DEVICE_MAX_CONNECTIONS=8 under tensor parallelism")
+    assert warning.startswith("CUDA_DEVICE_MAX_CONNECTIONS=8 under tensor or context parallelism")
 
 
 def test_the_training_run_sets_it_before_the_recipe_touches_the_gpu():

@@ -38,19 +38,19 @@ class Runtime:
         return torch.bfloat16 if self.bf16 else torch.float32
 
 
-def serialize_cuda_connections(tensor_parallel_size: int) -> str | None:
-    """Under tensor parallelism, one hardware queue to the GPU (``CUDA_DEVICE_MAX_CONNECTIONS=1``), as Megatron-LM
-    requires with sequence parallelism and Transformer Engine asks for ("to guarantee overlapping TP and SP
-    collectives with the backward GEMMs"): a layer's TP all-gather or reduce-scatter is then queued before the GEMM
-    that can run beside it. Read when the CUDA context is created: call before anything touches the GPU. A value
-    the user set is kept; returns a warning when it is not 1. Nothing to do without tensor parallelism."""
-    if tensor_parallel_size <= 1:
+def serialize_cuda_connections(tensor_parallel_size: int, context_parallel_size: int = 1) -> str | None:
+    """Under tensor or context parallelism, one hardware queue to the GPU (``CUDA_DEVICE_MAX_CONNECTIONS=1``), as
+    Megatron-LM's argument checks require and Transformer Engine asks for ("to guarantee overlapping TP and SP
+    collectives with the backward GEMMs"): a layer's collective is then queued before the GEMM that can run beside
+    it. Read when the CUDA context is created: call before anything touches the GPU. A value the user set is kept;
+    returns a warning when it is not 1. Nothing to do without either."""
+    if tensor_parallel_size <= 1 and context_parallel_size <= 1:
         return None
     value = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if value != "1":
         return (
-            f"CUDA_DEVICE_MAX_CONNECTIONS={value} under tensor parallelism: Transformer Engine overlaps the TP "
-            "collectives with the backward GEMMs only with 1 (thdpack sets 1 when it is unset)"
+            f"CUDA_DEVICE_MAX_CONNECTIONS={value} under tensor or context parallelism: Transformer Engine overlaps "
+            "their collectives with the GEMMs only with 1 (thdpack sets 1 when it is unset)"
         )
     return None
 

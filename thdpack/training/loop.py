@@ -169,8 +169,8 @@ def setup_run(cfg: DictConfig) -> Run:
 
     _setup_logging()
     # before the CUDA context exists (resolve_recipe only asks whether there is a GPU)
-    tp = cfg.parallel.get("tensor_model_parallel_size")  # checked with the rest of the recipe below
-    connections = serialize_cuda_connections(tp if isinstance(tp, int) and not isinstance(tp, bool) else 1)
+    sizes = [cfg.parallel.get(f"{k}_parallel_size") for k in ("tensor_model", "context")]  # checked below
+    connections = serialize_cuda_connections(*(n if type(n) is int else 1 for n in sizes))
     if connections:
         log.warning(connections)
     cfg = resolve_recipe(cfg)
