@@ -138,6 +138,34 @@ def test_transformer_engines_fp8_extra_state_is_read_through_an_allow_list(tmp_p
     assert not marker.exists()
 
 
+class _DelayedScaling:  # pickled under megatron-core's name for its FP8 recipe (TE is not importable here)
+    pass
+
+
+def _as_megatron_class(data: bytes, name: str) -> bytes:
+    # protocol 2 names a class with the GLOBAL opcode: "c<module>\n<name>\n"
+    here = f"c{__name__}\n_DelayedScaling\n".encode()
+    assert here in data
+    return data.replace(here, f"cmegatron.core.extensions.transformer_engine\n{name}\n".encode())
+
+
+def test_megatrons_fp8_delayed_recipe_in_te_extra_state_is_read_as_plain_fields(tmp_path):
+    # an FP8 delayed-scaling run pickles megatron-core's TEDelayedScaling (a dataclass of TE's DelayedScaling) as
+    # the recipe of every TE layer's extra state: its resume was refused before (seen on an H200, 2026-12-01)
+    recipe = _DelayedScaling()
+    recipe.__dict__.update(margin=0, amax_history_len=1024, amax_compute_algo="max", fp8_dpa=False)
+    data = pickle.dumps({"recipe": recipe, "extra_fp8_variables": {"num_gemms": 1}}, protocol=2)
+    state = _as_megatron_class(data, "TEDelayedScaling")
+    check_extra_states({"layer._extra_state": torch.frombuffer(bytearray(state), dtype=torch.uint8)}, "ckpt")
+    other = _as_megatron_class(data, "TELinear")  # any other class of that module stays refused
+    with pytest.raises(
+        UnsafeCheckpoint, match=r"asks to load megatron\.core\.extensions\.transformer_engine\.TELinear"
+    ):
+        check_extra_states(
+            {"layer._extra_state": torch.frombuffer(bytearray(other), dtype=torch.uint8)}, "ckpt"
+        )
+
+
 # --- the manifest ------------------------------------------------------------------------------------------------
 
 

@@ -83,6 +83,15 @@ METADATA_CLASSES = {
 # Transformer Engine's FP8 extra state (transformer_engine/pytorch/module/base.py get_extra_state): the recipe
 # (dataclasses and enums of this module), tensors pickled the plain way, plain values.
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
+# megatron-core's own recipe, a dataclass subclass of TE's DelayedScaling with no fields of its own: the recipe an
+# FP8 delayed-scaling run pickles. Read as plain attributes (its constructor takes a model config, never called).
+_MEGATRON_RECIPES = {("megatron.core.extensions.transformer_engine", "TEDelayedScaling")}
+
+
+class _RecipeFields:
+    """What the check rebuilds a megatron-core recipe as: its pickled fields as attributes, no code of its own."""
+
+
 _TENSOR_REBUILD = {
     "torch._utils": {"_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter"},
     "torch": {"Size", "device"},
@@ -407,6 +416,7 @@ def _check_te_pickle(data: bytes, where: str) -> None:
     allowed = {**_TENSOR_REBUILD, TE_RECIPE_MODULE: recipe_classes}
     # a tensor pickled the plain way carries its storage as torch.save bytes
     replace = {("torch.storage", "_load_from_bytes"): lambda b: load_plain(io.BytesIO(b), where)}
+    replace.update(dict.fromkeys(_MEGATRON_RECIPES, _RecipeFields))
     try:
         _AllowListUnpickler(io.BytesIO(data), where, allowed, replace).load()
     except CheckpointFileError:
