@@ -222,3 +222,30 @@ def test_a_config_thdpack_cannot_compute_is_refused_naming_the_key(family, key, 
     (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
     with pytest.raises(HFConfigError, match=rf"key '{key}' .*{message}"):
         model_group(HFCheckpoint.open(tmp_path), seq_length=64)
+
+
+@pytest.mark.parametrize(
+    ("in_rope_parameters", "top_level"),
+    [(0.5, 0.25), (None, 0.5), (None, None), (0.5, None)],
+    ids=["both-rope-parameters-win", "top-level-only", "neither-default", "rope-parameters-only"],
+)
+def test_partial_rotary_factor_is_read_as_transformers_reads_it(in_rope_parameters, top_level, tmp_path):
+    # transformers 5.17 writes a top-level partial_rotary_factor beside rope_parameters (refused as an unknown key
+    # on an H200, 2026-12-01); transformers: rope_parameters' value wins, the top-level one fills in, else 0.25
+    import transformers
+
+    from thdpack.hf.checkpoint import HFCheckpoint
+    from thdpack.models import model_group
+
+    config_class, model_class, keywords = FAMILIES_OF_TESTS["qwen3_5"]
+    config = getattr(transformers, config_class)(**{**_COMMON, "vocab_size": 300, **keywords}).to_dict()
+    config["architectures"] = [model_class]
+    config["rope_parameters"].pop("partial_rotary_factor")
+    if in_rope_parameters is not None:
+        config["rope_parameters"]["partial_rotary_factor"] = in_rope_parameters
+    if top_level is not None:
+        config["partial_rotary_factor"] = top_level
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    expected = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["partial_rotary_factor"]
+    group = model_group(HFCheckpoint.open(tmp_path), seq_length=64)
+    assert group["rotary_percent"] == expected

@@ -202,16 +202,23 @@ def _layer_types(r: ConfigReader, layers: int) -> list[str]:
 
 
 def _rope(r: ConfigReader, head_dim: int) -> tuple[float, float]:
-    """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` (or transformers 4's top-level keys)."""
+    """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` (or transformers 4's top-level keys).
+
+    transformers' rule: a value in ``rope_parameters`` wins; the top-level ``partial_rotary_factor`` (which some
+    transformers 5 releases also write) fills it in where it is missing, and Qwen3.5's default is 0.25."""
     params = r.get("rope_parameters")
+    top = r.get("partial_rotary_factor")
+    partial_default = 0.25 if top is None else top
     key = "rope_parameters"
     if params is None:
         key = "rope_theta"
-        params = {"rope_theta": r.get("rope_theta", 10000.0), "partial_rotary_factor": 0.25}
-        if r.get("partial_rotary_factor") is not None:
-            params["partial_rotary_factor"] = r.config["partial_rotary_factor"]
+        params = {"rope_theta": r.get("rope_theta", 10000.0)}
     if not isinstance(params, dict):
         raise r.error(key, f"is {params!r}: a JSON object expected")
+    partial_key = key
+    if params.get("partial_rotary_factor") is None:
+        params = {**params, "partial_rotary_factor": partial_default}
+        partial_key = "partial_rotary_factor" if top is not None else key
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type != "default":
         raise r.error(
@@ -225,11 +232,11 @@ def _rope(r: ConfigReader, head_dim: int) -> tuple[float, float]:
     theta = params.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise r.error(key, f"has rope_theta {theta!r}: a positive number expected")
-    partial = params.get("partial_rotary_factor", 1.0)
+    partial = params["partial_rotary_factor"]
     number = isinstance(partial, (int, float)) and not isinstance(partial, bool)
     if not number or not 0 < partial <= 1 or int(head_dim * partial) % 2:
         raise r.error(
-            key,
+            partial_key,
             f"has partial_rotary_factor {partial!r}: thdpack rotates an even number of each head's {head_dim} "
             "dimensions (0 < factor <= 1)",
         )
