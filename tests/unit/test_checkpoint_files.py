@@ -29,10 +29,12 @@ from thdpack.megatron.checkpoint_dir import (
 )
 from thdpack.megatron.checkpoint_manifest import MANIFEST, checksums, my_files, verify, write_manifest
 from thdpack.megatron.checkpoint_reader import (
+    TE_UNSAFE_PICKLE_ENV,
     DamagedCheckpoint,
     UnsafeCheckpoint,
     check_byte_objects,
     check_extra_states,
+    extra_states_loading,
     load_plain,
     read_dcp_metadata,
 )
@@ -164,6 +166,46 @@ def test_megatrons_fp8_delayed_recipe_in_te_extra_state_is_read_as_plain_fields(
         check_extra_states(
             {"layer._extra_state": torch.frombuffer(bytearray(other), dtype=torch.uint8)}, "ckpt"
         )
+
+
+class _ExtraStateModule(torch.nn.Module):
+    """Where TE's set_extra_state would unpickle: records whether TE's opt-in was on and what it was handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.seen.append((os.environ.get(TE_UNSAFE_PICKLE_ENV), bytes(state.numpy())))
+
+
+def test_te_unpickles_an_extra_state_only_after_the_allow_list_and_only_while_it_loads(monkeypatch, tmp_path):
+    # TE 2.20 refuses a delayed-scaling pickle unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (an FP8 run's resume
+    # stopped there on an H200, 2026-12-01): thdpack opens it for the load of states it has checked, and no longer
+    monkeypatch.delenv(TE_UNSAFE_PICKLE_ENV, raising=False)
+    good = pickle.dumps({"scale_fwd": torch.ones(2), "extra_fp8_variables": {"num_gemms": 1}})
+    module = _ExtraStateModule()
+    state = {"_extra_state": torch.frombuffer(bytearray(good), dtype=torch.uint8)}
+    with extra_states_loading(state, "ckpt"):
+        module.load_state_dict(state)
+    assert module.seen == [("1", good)]
+    assert TE_UNSAFE_PICKLE_ENV not in os.environ
+    marker = tmp_path / "marker"
+    bad = {
+        "_extra_state": torch.frombuffer(
+            bytearray(pickle.dumps({"recipe": _Marker(marker)})), dtype=torch.uint8
+        )
+    }
+    with pytest.raises(UnsafeCheckpoint, match="builtins.eval"), extra_states_loading(bad, "ckpt"):
+        module.load_state_dict(bad)
+    assert len(module.seen) == 1 and TE_UNSAFE_PICKLE_ENV not in os.environ and not marker.exists()
+    monkeypatch.setenv(TE_UNSAFE_PICKLE_ENV, "0")  # a user's own setting comes back after the load
+    with extra_states_loading(state, "ckpt"):
+        module.load_state_dict(state)
+    assert module.seen[-1][0] == "1" and os.environ[TE_UNSAFE_PICKLE_ENV] == "0"
 
 
 # --- the manifest ------------------------------------------------------------------------------------------------

@@ -46,8 +46,8 @@ from .checkpoint_manifest import Damage, checksums, my_files, verify, write_mani
 from .checkpoint_reader import (
     SafeCommonLoad,
     SafeTorchDistLoad,
-    check_extra_states,
     check_format,
+    extra_states_loading,
     read_common,
     read_dcp_metadata,
 )
@@ -352,7 +352,6 @@ def load_checkpoint(
     except CheckpointingException as error:  # a shape _check_shapes cannot see (a tensor built at load)
         keys = _recipe_differences(saved_recipe, model_recipe, "model")
         raise ValueError(f"{path}: {error}" + (f" (the keys that differ: {keys})" if keys else "")) from None
-    check_extra_states(loaded["model"], path)
     _load_model_state(unwrap_model(model), loaded["model"], path)
     with torch.no_grad(), _torch_adam_step_kept(optimizer):  # fp32 main parameters are views of the model's
         optimizer.load_state_dict(loaded["optimizer"])
@@ -374,11 +373,13 @@ def load_checkpoint(
 
 def _load_model_state(module, state: Mapping[str, Any], path: Path) -> None:
     """The loaded model tensors into ``module``: all of them, or under LoRA the adapters (and buffers), every
-    other key being a frozen base parameter (:func:`thdpack.megatron.lora.check_loaded_keys`)."""
-    if not adapter_modules(module):
-        module.load_state_dict(state)
+    other key being a frozen base parameter (:func:`thdpack.megatron.lora.check_loaded_keys`). Transformer
+    Engine's extra states are read through the allow-list first (:func:`extra_states_loading`)."""
+    lora = bool(adapter_modules(module))
+    with extra_states_loading(state, path):
+        result = module.load_state_dict(state, strict=not lora)
+    if not lora:
         return
-    result = module.load_state_dict(state, strict=False)
     check_loaded_keys(result.missing_keys, result.unexpected_keys, module, str(path))
 
 

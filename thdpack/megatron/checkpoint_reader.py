@@ -407,6 +407,28 @@ def check_extra_states(state: Mapping[str, Any], where: str | os.PathLike) -> No
             _check_te_pickle(value.detach().cpu().numpy().tobytes(), here)
 
 
+# Transformer Engine 2.20 refuses to unpickle an FP8 delayed-scaling extra state unless this is "1"
+# (transformer_engine/pytorch/_extra_state.py): its only stateful recipe still checkpoints as a pickle
+TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextlib.contextmanager
+def extra_states_loading(state: Mapping[str, Any], where: str | os.PathLike):
+    """Loads ``state``'s Transformer Engine extra states within the block: each is first read through the
+    allow-list (:func:`check_extra_states`), then TE is let to unpickle them (:data:`TE_UNSAFE_PICKLE_ENV`) for
+    the block alone, the variable restored after it."""
+    check_extra_states(state, where)
+    before = os.environ.get(TE_UNSAFE_PICKLE_ENV)
+    os.environ[TE_UNSAFE_PICKLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TE_UNSAFE_PICKLE_ENV, None)
+        else:
+            os.environ[TE_UNSAFE_PICKLE_ENV] = before
+
+
 def _check_te_pickle(data: bytes, where: str) -> None:
     try:
         recipe = importlib.import_module(TE_RECIPE_MODULE)
