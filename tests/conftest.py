@@ -1,9 +1,18 @@
 """Test-suite wiring: tests marked ``gpu`` need CUDA and skip cleanly on CPU-only machines (CI); tests marked
 ``cpu_only`` exercise thdpack's CPU support for Megatron-core, which is meant for machines without CUDA, and skip
-where a GPU is visible."""
+where a GPU is visible.
 
-import pytest
-import torch
+On a GPU the tests' fp32 is true fp32: Transformer Engine runs fp32 GEMMs with cuBLAS's TF32 compute type and
+torch's cuDNN convolutions allow TF32, which the fp32 parity checks against transformers and PEFT would measure
+(about 1e-3 relative). NVIDIA_TF32_OVERRIDE=0 turns TF32 off in cuBLAS and cuDNN; set before CUDA starts, it holds
+for this process and the runs it launches. bf16 and FP8 GEMMs are unchanged."""
+
+import os
+
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
