@@ -67,6 +67,8 @@ SMOKE = dict(
 LAYOUT_FLAGS = {
     "ov": ("trainer.overlap_grad_reduce=true", "trainer.overlap_param_gather=true"),
     "fp8": ("trainer.precision=fp8",),
+    # FP8 with current (per-tensor) scaling: no amax history to reduce over the TP group every step
+    "fp8cs": ("trainer.precision=fp8", "trainer.fp8_recipe=tensorwise"),
     "recompute": (
         "++model.config.recompute_granularity=full",
         "++model.config.recompute_method=uniform",

@@ -79,12 +79,13 @@ phase_scaling() {  # the 1B shape, 1 -> 4 GPUs, thdpack data parallel (with and 
 phase_8b() {  # the 8B shape, chat mix: thdpack's layouts against FSDP2's knobs (SIDES: thdpack,hf or one of them)
   if [ $BIG = 1 ]; then
     scale 760 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
-      --layouts tp2@16384,tp2+ov@16384,tp2+ov+fp8@16384,tp4+ov@16384 \
+      --layouts tp2@16384,tp2+ov@16384,tp2+ov+fp8+fuser@16384,tp2+ov+fp8cs@16384,tp4+ov@16384 \
       --hf-configs fsdp2:noreshard@8192,fsdp2:noreshard:prefetch2@8192,fsdp2:ac@16384 --label 8b
   else  # 80 GB: the H200's budgets halved (its fastest peer, noreshard@8192, took 106 GiB); 16,384 tokens only with
-    # bf16 gradients (7.5 GiB less) or over TP4 (scale_h100x4_2026-11-27.md: TP2 at 8,192 took 65.3 GiB)
+    # bf16 gradients (7.5 GiB less) or over TP4 (scale_h100x4_2026-11-27.md: TP2 at 8,192 took 65.3 GiB). FP8:
+    # delayed scaling under TP2 was 0.84x bf16 there, while on one H200 it was 1.29x (gpu_checks_h200_2026-12-01.md)
     scale 760 --shape llama3_8b --world-sizes 4 --sides "${SIDES:-thdpack,hf}" \
-      --layouts tp2@8192,tp2+ov@8192,tp2+bf16grad@16384,tp4@16384,tp2+fp8+fuser@8192 \
+      --layouts tp2@8192,tp2+ov@8192,tp2+bf16grad@16384,tp4@16384,tp2+fp8+fuser@8192,tp2+fp8cs@8192 \
       --hf-configs fsdp2:noreshard:ac@8192,fsdp2:noreshard:ac:prefetch2@8192,fsdp2:ac@16384 --label 8b
   fi
 }

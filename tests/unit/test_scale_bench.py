@@ -142,6 +142,10 @@ def test_layout_flags_add_their_recipe_overrides_and_a_budget_its_own():
         "trainer.precision=fp8",
         "model.te_op_fuser=true",
     ]
+    assert scale.parse_layout("tp2+fp8cs")["overrides"] == [
+        "trainer.precision=fp8",
+        "trainer.fp8_recipe=tensorwise",
+    ]
     with pytest.raises(ValueError, match="layout 'tp2\\+fast'"):
         scale.parse_layout("tp2+fast")
 
