@@ -16,8 +16,9 @@ the start (the first step's loss is the base's on both sides). thdpack: ``python
 model.pretrained=<base> peft=lora`` (bf16 adapters with fp32 main copies in the distributed optimizer, Transformer
 Engine layers, the fused output loss). PEFT: ``get_peft_model`` (its default casts the adapters to fp32) under
 ``torch.autocast`` bf16 (the usual TRL/accelerate bf16 setting), torch's fused AdamW on the adapters. Peer
-configurations (``--configs``): ``varlen_liger`` (the headline peer), ``varlen``, ``sdpa``; each in its own process
-at the largest of ``--peft-budgets`` whose peak memory fits within thdpack's peak.
+configurations (``--configs``, :func:`parse_peer`): ``varlen_liger`` (the headline peer), ``varlen_liger_gc`` (with
+gradient checkpointing), ``varlen``, ``sdpa``; each in its own process at the largest of ``--peft-budgets`` whose
+peak memory fits within thdpack's peak.
 
 Reported (``<out>/lora_vs_peft_<shape>_<gpu>_<date>.{json,md}``): real tokens/s over ``--steps`` after ``--warmup``,
 peak memory, syncs of one steady step, the first step's loss on both sides; ``headline``:
@@ -51,7 +52,17 @@ LLAMA3_8B = {
 }
 SHAPES = {"llama3_8b": LLAMA3_8B, "llama3_1b": vs_hf.LLAMA3_1B, "smoke": vs_hf.SMOKE}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PEER_CONFIGS = ["varlen_liger", "varlen", "sdpa"]
+# attention (varlen | sdpa), then _liger (Liger's kernels) and _gc (transformers' gradient checkpointing, no
+# reentrant: smaller activations for larger micro-batches, at one more forward)
+PEER_CONFIGS = ["varlen_liger", "varlen_liger_gc", "varlen", "sdpa"]
+
+
+def parse_peer(name: str) -> tuple[str, bool, bool]:
+    """``"varlen_liger_gc"`` -> ``("varlen", True, True)``: attention, Liger, gradient checkpointing."""
+    attention, *flags = name.split("_")
+    if attention not in ("varlen", "sdpa") or set(flags) - {"liger", "gc"} or len(set(flags)) != len(flags):
+        raise ValueError(f"PEFT configuration '{name}': attention varlen or sdpa, then _liger and/or _gc")
+    return attention, "liger" in flags, "gc" in flags
 
 
 def save_base(shape: dict, seed: int, directory: Path) -> None:
@@ -145,7 +156,7 @@ def run_peft(args, config_name: str, hf_dir: Path, shape: dict, cap_gib: float |
 
 
 def _peft_at_budget(
-    args, attention: str, budget: int, hf_dir: Path, shape: dict, cap_gib: float | None
+    args, config_name: str, budget: int, hf_dir: Path, shape: dict, cap_gib: float | None
 ) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -153,8 +164,9 @@ def _peft_at_budget(
     from thdpack.data import build_train_data
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    implementation = vs_hf.register_varlen_attention() if attention.startswith("varlen") else "sdpa"
-    if attention.endswith("liger"):
+    attention, liger, checkpointing = parse_peer(config_name)
+    implementation = vs_hf.register_varlen_attention() if attention == "varlen" else "sdpa"
+    if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(
@@ -164,6 +176,8 @@ def _peft_at_budget(
     base = LlamaForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation=implementation).to(
         device
     )
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=TARGETS, lora_dropout=0.0)
     model = get_peft_model(base, lora)
     model.train()
@@ -294,7 +308,12 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="recipe overrides for thdpack's run")
     args = parser.parse_args()
     if args.smoke:
-        args.shapes, args.configs, args.thdpack_budgets, args.peft_budgets = "smoke", "sdpa", "1024", "1024"
+        args.shapes, args.configs, args.thdpack_budgets, args.peft_budgets = (
+            "smoke",
+            "sdpa,sdpa_gc",
+            "1024",
+            "1024",
+        )
         args.global_batch_size, args.steps, args.warmup, args.rank = 4, 1, 1, 4
         args.extra = [
             *args.extra,
@@ -302,6 +321,8 @@ def main() -> None:
             "dataset.synthetic.min_length=8",
             "dataset.synthetic.num_samples=64",
         ]
+    for name in args.configs.split(","):  # a misspelt configuration stops here, before the base is made
+        parse_peer(name)
     args.thdpack_budgets = [int(b) for b in str(args.thdpack_budgets).split(",")]
     args.peft_budgets = [int(b) for b in str(args.peft_budgets).split(",")]
     for shape_name in args.shapes.split(","):
