@@ -44,9 +44,9 @@ def test_te_packed_fine_tune_gives_transformers_first_loss_and_exports_bitwise(t
     print(model, run["first_step_loss"], run["first_micro_batch_logits"])
     assert abs(run["first_step_loss"]["relative_difference"]) < 5e-3
     logits = run["first_micro_batch_logits"]
-    if (
-        model == "gpt_oss_tiny"
-    ):  # 4 experts, top 2: bf16 rounding flips a near-tied token's choice on one side
+    if model == "gpt_oss_tiny":
+        # 4 experts, top 2: a few tokens differ far more than the rest (H200, 2026-12-01: median 6.0e-3, 0.45% over
+        # 2e-2), as when router scores that tie within bf16's rounding pick another expert on one side
         assert logits["median_token_rms_diff_over_rms_logit"] < 1e-2
         assert logits["tokens_over_2e-2"] < 0.05
     else:
