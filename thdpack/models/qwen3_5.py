@@ -208,17 +208,15 @@ def _rope(r: ConfigReader, head_dim: int) -> tuple[float, float]:
     transformers 5 releases also write) fills it in where it is missing, and Qwen3.5's default is 0.25."""
     params = r.get("rope_parameters")
     top = r.get("partial_rotary_factor")
-    partial_default = 0.25 if top is None else top
     key = "rope_parameters"
     if params is None:
         key = "rope_theta"
         params = {"rope_theta": r.get("rope_theta", 10000.0)}
     if not isinstance(params, dict):
         raise r.error(key, f"is {params!r}: a JSON object expected")
-    partial_key = key
-    if params.get("partial_rotary_factor") is None:
-        params = {**params, "partial_rotary_factor": partial_default}
-        partial_key = "partial_rotary_factor" if top is not None else key
+    partial, partial_key = params.get("partial_rotary_factor"), key
+    if partial is None:
+        partial, partial_key = (0.25, key) if top is None else (top, "partial_rotary_factor")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type != "default":
         raise r.error(
@@ -232,7 +230,6 @@ def _rope(r: ConfigReader, head_dim: int) -> tuple[float, float]:
     theta = params.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise r.error(key, f"has rope_theta {theta!r}: a positive number expected")
-    partial = params["partial_rotary_factor"]
     number = isinstance(partial, (int, float)) and not isinstance(partial, bool)
     if not number or not 0 < partial <= 1 or int(head_dim * partial) % 2:
         raise r.error(
