@@ -308,12 +308,8 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="recipe overrides for thdpack's run")
     args = parser.parse_args()
     if args.smoke:
-        args.shapes, args.configs, args.thdpack_budgets, args.peft_budgets = (
-            "smoke",
-            "sdpa,sdpa_gc",
-            "1024",
-            "1024",
-        )
+        args.shapes, args.configs = "smoke", "sdpa,sdpa_gc"
+        args.thdpack_budgets, args.peft_budgets = "1024", "1024"
         args.global_batch_size, args.steps, args.warmup, args.rank = 4, 1, 1, 4
         args.extra = [
             *args.extra,
